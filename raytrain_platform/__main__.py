@@ -1,0 +1,3 @@
+from raytrain_platform.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""The `rtp` command: parse arguments, call the Python API, map errors to exit codes.
+
+    rtp validate CONFIG [--set KEY=VALUE ...]
+    rtp train CONFIG [--set KEY=VALUE ...] [--address ADDR] [--verbose]
+
+Exit codes: 0 success, 1 the run failed, 2 bad input (config, data, checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from raytrain_platform.errors import UserError
+
+__all__ = ["main"]
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="path to the job's YAML config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set train.lr=3e-4 (repeatable)")
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from raytrain_platform.launch.trainer import prepare
+
+    job = prepare(args.config, args.overrides)
+    print(f"valid: {job.config.summary()}")
+    print(f"data: {job.data.num_train} training / {job.data.num_val} validation samples; "
+          f"{job.steps_per_epoch} optimizer steps per epoch; schedule spans {job.total_steps} steps")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from raytrain_platform.launch.trainer import train
+
+    train(args.config, args.overrides, address=args.address, verbose=args.verbose)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rtp", description="Ray-native distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", help="check a config (and its data) without training")
+    _add_config_args(p)
+    p.set_defaults(fn=_cmd_validate)
+    p = sub.add_parser("train", help="train on an embedded local Ray or a cluster")
+    _add_config_args(p)
+    p.add_argument("--address", default=None,
+                   help="Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)")
+    p.add_argument("--verbose", action="store_true", help="show Ray's own logs too")
+    p.set_defaults(fn=_cmd_train)
+    return parser
+
+
+def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    try:
+        return fn(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a failed run: one line, and where to look
+        cause = _user_cause(exc)
+        if cause is not None:
+            print(f"error: {cause}", file=sys.stderr)
+            return 2
+        print(f"error: run failed: {type(exc).__name__}: {_first_line(exc)} "
+              "(rerun with --verbose for Ray's logs)", file=sys.stderr)
+        return 1
+
+
+def _user_cause(exc: BaseException) -> UserError | None:
+    """A UserError raised inside a Ray worker arrives wrapped; find it."""
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen or e is None:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UserError):
+            return e
+        stack += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+        stack += list(getattr(e, "worker_failures", {}).values()) if isinstance(
+            getattr(e, "worker_failures", None), dict) else []
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The error a person needs: for worker failures, the last line of rank 0's traceback."""
+    failures = getattr(exc, "worker_failures", None)
+    if isinstance(failures, dict) and failures:
+        exc = failures[min(failures)]
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return _run(args.fn, args)

@@ -1,0 +1,406 @@
+"""Typed job config: one root (`JobConfig`) with sections model, data, train,
+parallel, scaling, run. Loaded from YAML, overridden with ``--set a.b=value``
+(values parsed as YAML scalars), or built from Python.
+
+No torch or Ray import here: validation runs before any Ray resource is asked for.
+
+>>> cfg = JobConfig.from_dict({
+...     "model": {"name": "mlp"},
+...     "data": {"source": "synthetic", "batch_size": 32},
+...     "train": {"max_steps": 10},
+...     "run": {"name": "demo"},
+... })
+>>> cfg.parallel.strategy, cfg.scaling.num_workers
+('none', 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Union
+
+import yaml
+
+from raytrain_platform.errors import ConfigError
+from raytrain_platform.models.specs import BUILTIN_MODELS, MODEL_TASKS, resolve_model_kwargs
+from raytrain_platform.parallel.registry import STRATEGIES, strategy_names
+
+__all__ = [
+    "JobConfig",
+    "ModelConfig",
+    "DataConfig",
+    "TrainConfig",
+    "ParallelConfig",
+    "ScalingConfig",
+    "RunConfig",
+    "load_config",
+    "apply_overrides",
+]
+
+_REQUIRED: Any = dataclasses.MISSING
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _check(ok: bool, path: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(path, value, allowed)
+
+
+@dataclass
+class ModelConfig:
+    """`name` is a built-in (`mlp`, `gpt`) or an import path ``pkg.module:build_fn``
+    whose function takes ``**kwargs`` and returns an ``nn.Module``."""
+
+    SECTION: ClassVar[str] = "model"
+    name: str = _REQUIRED
+    kwargs: dict = field(default_factory=dict)
+    task: Union[str, None] = None  # classification | regression | lm; built-ins know theirs
+
+    def __post_init__(self) -> None:
+        builtin = self.name in BUILTIN_MODELS
+        _check(builtin or bool(_IMPORT_PATH.match(self.name)), "model.name", self.name,
+               f"one of {sorted(BUILTIN_MODELS)} or an import path 'pkg.module:build_fn'")
+        _check(self.task is None or self.task in MODEL_TASKS, "model.task", self.task,
+               f"one of {list(MODEL_TASKS)}")
+        if builtin:
+            # Fills in defaults and rejects unknown or bad keys with the field named.
+            self.kwargs = resolve_model_kwargs(self.name, self.kwargs)
+            builtin_task = self.kwargs.get("task", "lm")
+            _check(self.task in (None, builtin_task), "model.task", self.task,
+                   f"'{builtin_task}' for model {self.name} (or leave it out)")
+            self.task = builtin_task
+        elif self.task is None:
+            self.task = "classification"
+
+
+@dataclass
+class DataConfig:
+    SECTION: ClassVar[str] = "data"
+    source: str = _REQUIRED  # parquet | synthetic | text
+    batch_size: int = _REQUIRED  # per-worker micro-batch
+    path: Union[str, None] = None  # parquet folder/URI, text folder (default: Python's stdlib)
+    feature_columns: Union[list[str], None] = None  # parquet: input columns (default: all but label)
+    label_column: str = "label"
+    val_path: Union[str, None] = None  # parquet: separate validation data (else val_fraction)
+    val_fraction: float = 0.05  # held out by a hash of the sample id
+    num_samples: int = 4096  # synthetic
+    num_features: int = 16  # synthetic tabular
+    num_classes: int = 4  # synthetic classification
+    seed: int = 0  # synthetic generator
+    glob: str = "**/*.py"  # text: which files under path
+    max_files: Union[int, None] = None  # text: use only the first N files (sorted)
+    prefetch_batches: int = 2
+    shuffle_buffer: int = 0  # local shuffle buffer in rows per worker; 0 = source order
+    shuffle_seed: Union[int, None] = None  # default: train.seed
+
+    def __post_init__(self) -> None:
+        _check(self.source in ("parquet", "synthetic", "text"), "data.source", self.source,
+               "one of ['parquet', 'synthetic', 'text']")
+        _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1")
+        _check(self.source != "parquet" or bool(self.path), "data.path", self.path,
+               "a folder or URI of Parquet files when data.source is parquet")
+        _check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction,
+               "a number in [0, 1)")
+        _check(self.num_samples >= 1, "data.num_samples", self.num_samples, "an integer >= 1")
+        _check(self.num_features >= 1, "data.num_features", self.num_features, "an integer >= 1")
+        _check(self.num_classes >= 2, "data.num_classes", self.num_classes, "an integer >= 2")
+        _check(self.max_files is None or self.max_files >= 1, "data.max_files", self.max_files,
+               "an integer >= 1 or null")
+        _check(self.prefetch_batches >= 0, "data.prefetch_batches", self.prefetch_batches,
+               "an integer >= 0")
+        _check(self.shuffle_buffer >= 0, "data.shuffle_buffer", self.shuffle_buffer,
+               "an integer >= 0 (0 = no shuffle)")
+        _check(self.feature_columns is None or len(self.feature_columns) > 0,
+               "data.feature_columns", self.feature_columns, "a non-empty list of column names or null")
+
+
+@dataclass
+class TrainConfig:
+    SECTION: ClassVar[str] = "train"
+    max_steps: Union[int, None] = None  # optimizer steps; stops at whichever of these comes first
+    epochs: Union[int, None] = None
+    grad_accum_steps: int = 1  # micro-steps per optimizer step
+    lr: float = 1e-3
+    optimizer: str = "adamw"  # adamw | sgd
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    momentum: float = 0.9  # sgd
+    lr_schedule: str = "cosine"  # cosine | constant (both after warmup)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.max_steps is not None or self.epochs is not None, "train.max_steps",
+               self.max_steps, "an integer >= 1 (or set train.epochs)")
+        _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps,
+               "an integer >= 1 or null")
+        _check(self.epochs is None or self.epochs >= 1, "train.epochs", self.epochs,
+               "an integer >= 1 or null")
+        _check(self.grad_accum_steps >= 1, "train.grad_accum_steps", self.grad_accum_steps,
+               "an integer >= 1")
+        _check(self.lr > 0, "train.lr", self.lr, "a number > 0")
+        _check(self.optimizer in ("adamw", "sgd"), "train.optimizer", self.optimizer,
+               "one of ['adamw', 'sgd']")
+        _check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "a number >= 0")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas",
+               self.betas, "two numbers in [0, 1)")
+        _check(0 <= self.momentum < 1, "train.momentum", self.momentum, "a number in [0, 1)")
+        _check(self.lr_schedule in ("cosine", "constant"), "train.lr_schedule", self.lr_schedule,
+               "one of ['cosine', 'constant']")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "an integer >= 0")
+        _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
+               "a number in [0, 1]")
+        _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a number >= 0 (0 = off)")
+        _check(self.precision in ("fp32", "bf16"), "train.precision", self.precision,
+               "one of ['fp32', 'bf16']")
+
+
+@dataclass
+class ParallelConfig:
+    SECTION: ClassVar[str] = "parallel"
+    strategy: str = "none"
+    ddp_bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.strategy in STRATEGIES, "parallel.strategy", self.strategy,
+               f"one of {strategy_names()}")
+        _check(self.ddp_bucket_cap_mb > 0, "parallel.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb,
+               "a number > 0")
+
+
+@dataclass
+class ScalingConfig:
+    SECTION: ClassVar[str] = "scaling"
+    num_workers: int = 1
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    torch_threads: Union[int, None] = None  # intra-op threads per worker; default from CPUs
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers >= 1, "scaling.num_workers", self.num_workers, "an integer >= 1")
+        _check(self.cpus_per_worker > 0, "scaling.cpus_per_worker", self.cpus_per_worker,
+               "a number > 0")
+        _check(self.torch_threads is None or self.torch_threads >= 1, "scaling.torch_threads",
+               self.torch_threads, "an integer >= 1 or null")
+
+
+@dataclass
+class RunConfig:
+    SECTION: ClassVar[str] = "run"
+    name: str = _REQUIRED
+    storage_path: str = "./runs"  # local folder (or shared mount) holding run directories
+    checkpoint_every: int = 50  # optimizer steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2
+    max_failures: int = 0  # worker-failure retries (FailureConfig); -1 = unlimited
+    eval_every: int = 50  # optimizer steps between validation passes; 0 = only at the end
+    eval_batches: int = 8  # validation micro-batches per rank per pass
+    log_every: int = 1  # optimizer steps between metric reports
+
+    def __post_init__(self) -> None:
+        _check(bool(_RUN_NAME.match(self.name)), "run.name", self.name,
+               "1-128 characters of letters, digits, '_', '-', '.' starting with a letter or digit")
+        _check(bool(self.storage_path), "run.storage_path", self.storage_path, "a non-empty path")
+        _check(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every,
+               "an integer >= 0")
+        _check(self.keep_checkpoints >= 1, "run.keep_checkpoints", self.keep_checkpoints,
+               "an integer >= 1")
+        _check(self.max_failures >= -1, "run.max_failures", self.max_failures,
+               "an integer >= -1 (-1 = unlimited)")
+        _check(self.eval_every >= 0, "run.eval_every", self.eval_every, "an integer >= 0")
+        _check(self.eval_batches >= 1, "run.eval_batches", self.eval_batches, "an integer >= 1")
+        _check(self.log_every >= 1, "run.log_every", self.log_every, "an integer >= 1")
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.storage_path, self.name)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "scaling": ScalingConfig,
+    "run": RunConfig,
+}
+
+
+@dataclass
+class JobConfig:
+    """The root config. Build with `from_dict`, `load_config`, or the section classes."""
+
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    run: RunConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            _check(isinstance(getattr(self, name), cls), name, type(getattr(self, name)).__name__,
+                   f"a {cls.__name__}")
+        strat = STRATEGIES[self.parallel.strategy]
+        n = self.scaling.num_workers
+        _check(strat.min_workers <= n and (strat.max_workers is None or n <= strat.max_workers),
+               "scaling.num_workers", n,
+               f"{strat.describe_workers()} for parallel.strategy '{self.parallel.strategy}'")
+        task = self.model.task
+        if self.data.source == "text":
+            _check(task == "lm", "data.source", "text",
+                   f"a tabular source (parquet, synthetic) for a {task} model; text needs an lm model")
+        elif self.data.source == "parquet":
+            _check(task != "lm", "data.source", "parquet",
+                   "'text' or 'synthetic' for an lm model (Parquet input is tabular)")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "JobConfig":
+        _check(isinstance(data, dict), "config", type(data).__name__, "a mapping of sections")
+        unknown = sorted(set(data) - set(_SECTIONS))
+        _check(not unknown, unknown[0] if unknown else "", data.get(unknown[0]) if unknown else None,
+               f"no such section; sections are {list(_SECTIONS)}")
+        missing = [s for s in ("model", "data", "train", "run") if s not in data]
+        _check(not missing, missing[0] if missing else "", None, "a section (required)")
+        sections = {name: _build_section(cls_, data.get(name) or {}) for name, cls_ in _SECTIONS.items()}
+        return cls(**sections)
+
+    def to_dict(self) -> dict:
+        return {name: _section_dict(getattr(self, name)) for name in _SECTIONS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def replace(self, overrides: dict[str, Any]) -> "JobConfig":
+        """A new config with dotted-path overrides applied and everything revalidated."""
+        data = self.to_dict()
+        for key, value in overrides.items():
+            _set_path(data, key, value)
+        return JobConfig.from_dict(data)
+
+    def summary(self) -> str:
+        t, d, s = self.train, self.data, self.scaling
+        stop = " / ".join(x for x in (
+            f"{t.max_steps} steps" if t.max_steps else "", f"{t.epochs} epochs" if t.epochs else "") if x)
+        global_batch = d.batch_size * t.grad_accum_steps * s.num_workers
+        return (f"run '{self.run.name}': model {self.model.name} ({self.model.task}) on {d.source} data; "
+                f"{self.parallel.strategy} x {s.num_workers} worker(s) "
+                f"({'GPU' if s.use_gpu else 'CPU'}); micro-batch {d.batch_size} x accum "
+                f"{t.grad_accum_steps} = global batch {global_batch}; {stop}; "
+                f"run dir {self.run.run_dir}")
+
+
+def _section_dict(section: Any) -> dict:
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+
+
+def _build_section(cls: type, data: Any) -> Any:
+    section = cls.SECTION
+    _check(isinstance(data, dict), section, data, "a mapping of keys to values")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        _check(key in fields, f"{section}.{key}", data[key],
+               f"no such key; {section} keys are {sorted(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(f"{section}.{name}", data[name], hints[name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{section}.{name}", None, "a value (required)")
+    return cls(**kwargs)
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Check `value` against a type hint; ints widen to float, nothing else is guessed."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(path, value, inner[0])
+    if tp is bool:
+        _check(isinstance(value, bool), path, value, "true or false")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), path, value, "an integer")
+        return value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _check(ok and value == value and abs(value) != float("inf"), path, value, "a finite number")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), path, value, "a string")
+        return value
+    if origin is list:
+        _check(isinstance(value, list), path, value, "a list")
+        return [_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        _check(isinstance(value, dict), path, value, "a mapping")
+        return dict(value)
+    raise TypeError(f"unsupported config type {tp} for {path}")  # a bug in this module
+
+
+def _set_path(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    _check(len(parts) >= 2 and all(parts), dotted, value, "a dotted path like 'train.lr'")
+    node = data
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        _check(isinstance(nxt, dict), dotted, value, f"a path into a mapping ('{part}' is not one)")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.lr=3e-4"`` -> ``("train.lr", 0.0003)``; the value is a YAML scalar."""
+    key, sep, raw = text.partition("=")
+    _check(bool(sep) and bool(key.strip()), "--set", text, "KEY=VALUE, e.g. train.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(key.strip(), raw, f"a YAML value ({str(exc).splitlines()[0]})") from None
+    return key.strip(), value
+
+
+def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_path(data, key, value)
+    return data
+
+
+def load_config(source: str | os.PathLike | dict | JobConfig,
+                overrides: list[str] | None = None) -> JobConfig:
+    """Load a config from a YAML path, a dict or a `JobConfig`, then apply ``--set`` overrides.
+
+    >>> load_config({"model": {"name": "mlp"}, "data": {"source": "synthetic", "batch_size": 8},
+    ...              "train": {"max_steps": 5}, "run": {"name": "x"}}, ["train.lr=0.01"]).train.lr
+    0.01
+    """
+    if isinstance(source, JobConfig):
+        data = source.to_dict()
+    elif isinstance(source, dict):
+        data = dict(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError("config", str(path), "an existing YAML file")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError("config", str(path), f"valid YAML (parse error at{where})") from None
+        if data is None:
+            data = {}
+    return JobConfig.from_dict(apply_overrides(data, overrides))

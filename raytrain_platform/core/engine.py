@@ -1,0 +1,231 @@
+"""The training core: model -> strategy -> loop with gradient accumulation.
+
+Runs the same under Ray Train (launch/worker.py) and under plain torchrun
+(core/__main__.py): data comes from a `BatchSource`, metrics and checkpoints
+leave through a `Reporter`, and nothing here imports Ray.
+
+One optimizer step = ``grad_accum_steps`` micro-steps per rank. Every micro-step
+but the last runs under the strategy's ``no_sync()`` (no gradient all-reduce),
+and each micro-loss is divided by ``grad_accum_steps``, so the step's gradient is
+the mean over the global batch, whatever the split into ranks and micro-steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from raytrain_platform.core.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from raytrain_platform.core.dist import DistEnv, all_reduce_sum
+from raytrain_platform.core.optim import build_optimizer, lr_at
+from raytrain_platform.models import build_model
+from raytrain_platform.models.tasks import get_task
+from raytrain_platform.parallel.registry import get_strategy
+from raytrain_platform.resolve import ResolvedJob
+from raytrain_platform.rundir import MetricsLog
+
+__all__ = ["BatchSource", "Reporter", "Engine", "run_training"]
+
+Batch = dict[str, torch.Tensor]
+
+
+class BatchSource(Protocol):
+    def train_epoch(self, epoch: int) -> Iterator[Batch]:
+        """This rank's micro-batches of `epoch`, in order."""
+
+    def val_batches(self, n: int) -> list[Batch]:
+        """This rank's first `n` validation micro-batches (the same every call)."""
+
+
+class Reporter(Protocol):
+    def report(self, metrics: dict, save: Callable[[str], None] | None) -> None:
+        """Called on every rank at the same steps; `save(dir)` writes this rank's
+        part of a checkpoint when one is due."""
+
+
+def _seed_for(seed: int, step: int, rank: int) -> int:
+    # Dropout and other randomness depend on (seed, step, rank) only: a resumed
+    # run draws the same numbers as an uninterrupted one.
+    return (seed * 1_000_003 + step * 7919 + rank) % (2**63)
+
+
+class Engine:
+    def __init__(self, job: ResolvedJob, env: DistEnv, *, run_dir: str | None = None):
+        self.job, self.cfg, self.env = job, job.config, env
+        self.run_dir = run_dir
+        self.task = get_task(self.cfg.model.task)
+        torch.manual_seed(self.cfg.train.seed)  # identical initial weights on every rank
+        model = build_model(self.cfg.model).to(env.device)
+        apply = get_strategy(self.cfg.parallel.strategy).load()
+        self.par = apply(model, env=env, cfg=self.cfg.parallel)
+        self.optimizer = build_optimizer(self.par.module, self.cfg.train)
+        self.state = TrainState()
+        self.autocast = (torch.autocast(device_type=env.device.type, dtype=torch.bfloat16)
+                         if self.cfg.train.precision == "bf16" else contextlib.nullcontext())
+        self._config_yaml = self.cfg.to_yaml()
+
+    # ------------------------------------------------------------ state
+
+    def restore(self, directory: str) -> None:
+        self.state = load_checkpoint(directory, par=self.par, optimizer=self.optimizer,
+                                     device=self.env.device)
+
+    def save(self, directory: str, metrics: dict) -> None:
+        save_checkpoint(directory, par=self.par, optimizer=self.optimizer, state=self.state,
+                        lr=self.optimizer.param_groups[0]["lr"], config_yaml=self._config_yaml,
+                        metrics=metrics, is_rank0=self.env.is_rank0)
+
+    # ------------------------------------------------------------ steps
+
+    def _to_device(self, batch: Batch) -> Batch:
+        out = {}
+        for k, v in batch.items():
+            if k == "tokens":
+                v = v.long()  # stored as uint8 bytes
+            out[k] = v.to(self.env.device, non_blocking=True)
+        return out
+
+    def micro_step(self, batch: Batch, *, sync: bool) -> torch.Tensor:
+        inputs, targets = self.task.split(batch)
+        accum = self.cfg.train.grad_accum_steps
+        with contextlib.nullcontext() if sync else self.par.no_sync():
+            with self.autocast:
+                loss = self.task.loss(self.par.module(inputs), targets) / accum
+            loss.backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> float:
+        lr = lr_at(self.state.step, self.cfg.train, self.job.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = 0.0
+        if self.cfg.train.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.par.module.parameters(),
+                                                             self.cfg.train.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
+        self.par.module.eval()
+        sums = torch.zeros(3)
+        for batch in batches:
+            inputs, targets = self.task.split(self._to_device(batch))
+            with self.autocast:
+                outputs = self.par.module(inputs)
+            sums += self.task.eval_sums(outputs, targets).cpu()
+        self.par.module.train()
+        return self.task.eval_metrics(all_reduce_sum(sums.to(self.env.device)).cpu())
+
+    # ------------------------------------------------------------ loop
+
+    def _epoch_iter(self, source: BatchSource) -> Iterator[Batch]:
+        """Micro-batches from the current data position to the end of the epoch's whole steps."""
+        usable = self.job.steps_per_epoch * self.cfg.train.grad_accum_steps
+        it = iter(source.train_epoch(self.state.epoch))
+        skip = self.state.batches_in_epoch
+        return itertools.islice(it, skip, usable)
+
+    def _due(self, every: int, last: bool) -> bool:
+        return last or (every > 0 and self.state.step % every == 0)
+
+    def fit(self, source: BatchSource, reporter: Reporter, *, log: MetricsLog | None = None) -> dict:
+        cfg, accum = self.cfg, self.cfg.train.grad_accum_steps
+        total = self.job.total_steps
+        val_cache: list[Batch] | None = None
+        last_metrics: dict = {}
+        self.par.module.train()
+        if self.state.batches_in_epoch >= self.job.steps_per_epoch * accum:
+            self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
+        t_prev = time.perf_counter()
+        window = {"steps": 0, "wait": 0.0, "units": 0}  # since the last report
+        while self.state.step < total:
+            it = self._epoch_iter(source)
+            while self.state.step < total:
+                torch.manual_seed(_seed_for(cfg.train.seed, self.state.step, self.env.rank))
+                loss_sum, data_wait, n_units, got = torch.zeros((), device=self.env.device), 0.0, 0, 0
+                comm_before = self.par.comm.calls
+                for micro in range(accum):
+                    t0 = time.perf_counter()
+                    batch = next(it, None)
+                    data_wait += time.perf_counter() - t0
+                    if batch is None:
+                        break
+                    batch = self._to_device(batch)
+                    n_units += batch["sample_id"].numel() * self.task.units_per_sample(batch)
+                    loss_sum += self.micro_step(batch, sync=micro == accum - 1)
+                    got += 1
+                if got < accum:  # end of epoch (only whole steps are dealt, so got == 0)
+                    break
+                grad_norm = self.optimizer_step()
+                self.state.step += 1
+                self.state.batches_in_epoch += accum
+                self.state.samples_seen += accum * cfg.data.batch_size * self.env.world_size
+                window["steps"] += 1
+                window["wait"] += data_wait
+                window["units"] += n_units
+                last = self.state.step == total
+                if not (self._due(cfg.run.log_every, last) or self._due(cfg.run.eval_every, last)
+                        or self._due(cfg.run.checkpoint_every, last)):
+                    continue
+                elapsed = time.perf_counter() - t_prev
+                metrics = self._step_metrics(loss_sum, elapsed, window, grad_norm,
+                                             self.par.comm.calls - comm_before)
+                if self._due(cfg.run.eval_every, last) and self.job.data.num_val:
+                    if val_cache is None:
+                        val_cache = source.val_batches(cfg.run.eval_batches)
+                    metrics.update(self.evaluate(val_cache))
+                last_metrics = metrics
+                save = None
+                if self._due(cfg.run.checkpoint_every, last):
+                    save = lambda d, m=metrics: self.save(d, m)  # noqa: E731
+                if log is not None and self.env.is_rank0:
+                    log.append(metrics)
+                reporter.report(metrics, save)
+                t_prev = time.perf_counter()
+                window = {"steps": 0, "wait": 0.0, "units": 0}
+            else:
+                break
+            self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
+        return last_metrics
+
+    def _step_metrics(self, loss_sum: torch.Tensor, elapsed: float, window: dict,
+                      grad_norm: float, comm_calls: int) -> dict:
+        """Metrics of the step just taken; rates over the steps since the last report
+        (`elapsed` seconds, which include the time spent waiting for data)."""
+        # One small all-reduce: the loss of the whole global batch, not of rank 0's part.
+        packed = all_reduce_sum(torch.stack([loss_sum.float(), torch.tensor(
+            float(window["units"]), device=loss_sum.device)]))
+        world, steps = self.env.world_size, window["steps"]
+        step_time = elapsed / steps
+        samples = self.cfg.train.grad_accum_steps * self.cfg.data.batch_size * world * steps
+        metrics = {
+            "step": self.state.step,
+            "epoch": self.state.epoch,
+            "loss": float(packed[0]) / world,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm,
+            "samples_per_s": samples / elapsed,
+            "step_time_s": step_time,
+            "data_wait_frac": min(1.0, window["wait"] / elapsed),
+            "grad_allreduces": comm_calls,
+            "samples_seen": self.state.samples_seen,
+        }
+        if self.task.name == "lm":
+            metrics["tokens_per_s"] = float(packed[1]) / elapsed
+        return metrics
+
+
+def run_training(job: ResolvedJob, env: DistEnv, *, source: BatchSource, reporter: Reporter,
+                 resume_dir: str | None, run_dir: str | None) -> dict:
+    """Build, restore if asked, train to the end; returns the last reported metrics."""
+    engine = Engine(job, env, run_dir=run_dir)
+    if resume_dir:
+        engine.restore(resume_dir)
+    log = MetricsLog(run_dir, resume_step=engine.state.step) if (run_dir and env.is_rank0) else None
+    return engine.fit(source, reporter, log=log)

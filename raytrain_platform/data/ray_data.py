@@ -1,0 +1,107 @@
+"""Ray Data pipelines for the three sources: read -> cut/generate -> split -> shard.
+
+Ordering is part of the contract. With ``preserve_order`` the pipeline yields
+samples in source order; for several workers it is cut into blocks of exactly one
+micro-batch, and Ray Train's streaming split deals equal blocks to the workers in
+turn (it hands each block to the worker that has received the fewest rows). So
+micro-batch ``j`` of an epoch goes to rank ``j % world``, and the union of one
+optimizer step's micro-batches is the same set of samples at any world size:
+1 worker x batch 2B, 2 workers x B and 1 worker x B x accumulation 2 train on the
+same data at every step (the equivalence tests rely on it; the torchrun reader in
+`local.py` implements the same rule without Ray).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from raytrain_platform.data import sources
+from raytrain_platform.data.sources import DataInfo, SourceSpec
+
+if TYPE_CHECKING:
+    import ray.data
+
+    from raytrain_platform.config import JobConfig
+
+__all__ = ["build_datasets", "ingest_options"]
+
+
+class _TextWindows:
+    def __init__(self, spec: SourceSpec, split: str):
+        self.spec, self.split = spec, split
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        parts = [sources.text_windows(int(i), str(p), self.spec, self.split)
+                 for i, p in zip(batch["file_index"], batch["path"])]
+        return {k: np.concatenate([p[k] for p in parts]) for k in ("tokens", "sample_id")}
+
+
+class _Synthetic:
+    def __init__(self, spec: SourceSpec):
+        self.spec = spec
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return sources.synthetic_rows(batch["id"], self.spec)
+
+
+class _ParquetChunks:
+    def __init__(self, spec: SourceSpec, features: tuple[str, ...], split: str, root: str):
+        self.spec, self.features, self.split, self.root = spec, features, split, root
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        parts = [sources.read_parquet_chunk(
+            sources.ParquetChunk(str(p), int(rg), int(first), int(n)), self.spec, self.features,
+            self.split, self.root)
+            for p, rg, first, n in zip(batch["path"], batch["row_group"], batch["first_id"],
+                                       batch["num_rows"])]
+        return {k: np.concatenate([p[k] for p in parts]) for k in ("x", "y", "sample_id")}
+
+
+def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...]) -> "ray.data.Dataset":
+    import ray.data
+
+    if spec.kind == "text":
+        files = sources.text_files(spec)
+        items = [{"file_index": i, "path": p} for i, (p, _) in enumerate(files)]
+        ds = ray.data.from_items(items, override_num_blocks=min(len(items), 64))
+        return ds.map_batches(_TextWindows(spec, split), batch_size=16, batch_format="numpy")
+    if spec.kind == "synthetic":
+        ids = sources.synthetic_ids(spec, split)
+        ds = ray.data.from_numpy(ids).rename_columns({"data": "id"})
+        return ds.map_batches(_Synthetic(spec), batch_size=4096, batch_format="numpy")
+    root, rspec, field = sources._parquet_root_for(spec, split)
+    chunks, _ = sources.parquet_chunks(root, rspec, field)
+    items = [{"path": c.path, "row_group": c.row_group, "first_id": c.first_id,
+              "num_rows": c.num_rows} for c in chunks]
+    ds = ray.data.from_items(items, override_num_blocks=min(len(items), 64))
+    return ds.map_batches(_ParquetChunks(rspec, features, split, root), batch_size=1,
+                          batch_format="numpy")
+
+
+def build_datasets(cfg: "JobConfig", info: DataInfo) -> dict[str, "ray.data.Dataset"]:
+    """{"train": ..., "val": ...} Ray Datasets for the config; val only if it has rows."""
+    spec = SourceSpec.from_config(cfg)
+    world, batch = cfg.scaling.num_workers, cfg.data.batch_size
+    out = {}
+    for split, rows in (("train", info.num_train), ("val", info.num_val)):
+        if rows == 0:
+            continue
+        ds = _source_dataset(spec, split, info.feature_columns)
+        if world > 1 and split == "train":
+            # Exactly one micro-batch per block: the streaming split then deals
+            # micro-batches round-robin (see the module docstring).
+            ds = ds.repartition(target_num_rows_per_block=batch, strict=True)
+        out[split] = ds
+    return out
+
+
+def ingest_options():
+    """Execution options for the training shards: deterministic order, quiet progress."""
+    from ray.data import ExecutionOptions
+
+    options = ExecutionOptions()
+    options.preserve_order = True
+    options.locality_with_output = False
+    return options

@@ -1,0 +1,377 @@
+"""Data sources as plain functions over numpy and pyarrow (no Ray, no torch).
+
+Ray Data pipelines (`ray_data.py`) and the Ray-free torchrun reader (`local.py`)
+both call these, so the two paths see the same samples in the same order.
+
+Every sample has a stable 64-bit ``sample_id``: text windows are
+``file_index << 32 | window_index``, synthetic rows are their index, Parquet rows
+their position across the sorted files. The validation split holds out the ids
+whose hash falls under ``val_fraction``, so it never depends on world size.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+from raytrain_platform.errors import DataError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    from raytrain_platform.config import JobConfig
+
+__all__ = [
+    "SourceSpec",
+    "DataInfo",
+    "default_text_root",
+    "split_mask",
+    "text_files",
+    "text_windows",
+    "synthetic_rows",
+    "parquet_chunks",
+    "read_parquet_chunk",
+    "describe",
+    "iter_source",
+]
+
+_SYNTH_CHUNK = 256  # rows generated together from one seeded RNG
+
+
+def default_text_root() -> str:
+    """The Python standard library's own sources: real text every machine has."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def split_mask(ids: np.ndarray, val_fraction: float, split: str) -> np.ndarray:
+    """True where a sample belongs to `split` ("train" | "val"), from a hash of its id."""
+    z = ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)  # splitmix64 finaliser
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    is_val = (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < val_fraction
+    return is_val if split == "val" else ~is_val
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Everything a reader needs, as plain picklable values (shipped to Ray tasks)."""
+
+    kind: str  # text | synthetic | parquet
+    task: str  # lm | classification | regression
+    val_fraction: float
+    seq_len: int = 0  # lm: tokens per sample (block_size + 1)
+    path: str | None = None
+    val_path: str | None = None
+    glob: str = "**/*.py"
+    max_files: int | None = None
+    num_samples: int = 0
+    num_features: int = 0
+    num_classes: int = 0
+    seed: int = 0
+    feature_columns: tuple[str, ...] = ()
+    label_column: str = "label"
+
+    @classmethod
+    def from_config(cls, cfg: "JobConfig") -> "SourceSpec":
+        d, m = cfg.data, cfg.model
+        seq_len = m.kwargs.get("block_size", 0) + 1 if m.task == "lm" else 0
+        return cls(kind=d.source, task=m.task, val_fraction=d.val_fraction, seq_len=seq_len,
+                   path=d.path, val_path=d.val_path, glob=d.glob, max_files=d.max_files,
+                   num_samples=d.num_samples, num_features=d.num_features,
+                   num_classes=d.num_classes, seed=d.seed,
+                   feature_columns=tuple(d.feature_columns or ()), label_column=d.label_column)
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What the driver knows about the data before any training worker starts."""
+
+    num_train: int
+    num_val: int
+    num_features: int = 0  # tabular
+    num_classes: int = 0  # classification
+    feature_columns: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------- text
+
+
+def text_files(spec: SourceSpec) -> list[tuple[str, int]]:
+    """(path, size) of the text files, sorted; site-packages are never part of a corpus."""
+    root = Path(spec.path or default_text_root())
+    if not root.is_dir():
+        raise DataError(f"data.path = {str(root)!r}: expected an existing folder of text files")
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages",
+                                                               "__pycache__"))
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root)
+            if fnmatch.fnmatch(rel, spec.glob) or fnmatch.fnmatch(name, spec.glob.split("/")[-1]):
+                found.append(full)
+    found.sort()
+    if spec.max_files is not None:
+        found = found[: spec.max_files]
+    files = [(p, os.path.getsize(p)) for p in found]
+    if not files:
+        raise DataError(f"data.path = {str(root)!r}: no files match data.glob = {spec.glob!r}")
+    return files
+
+
+def text_window_ids(file_index: int, size: int, seq_len: int) -> np.ndarray:
+    n = size // seq_len  # non-overlapping windows; the tail of each file is dropped
+    return (np.int64(file_index) << np.int64(32)) | np.arange(n, dtype=np.int64)
+
+
+def text_windows(file_index: int, path: str, spec: SourceSpec, split: str) -> dict[str, np.ndarray]:
+    """One file cut into byte windows of seq_len tokens: tokens (n, seq_len) uint8."""
+    raw = np.fromfile(path, dtype=np.uint8)
+    n = raw.size // spec.seq_len
+    ids = text_window_ids(file_index, raw.size, spec.seq_len)
+    keep = split_mask(ids, spec.val_fraction, split)
+    tokens = raw[: n * spec.seq_len].reshape(n, spec.seq_len)[keep]
+    return {"tokens": tokens, "sample_id": ids[keep]}
+
+
+# ---------------------------------------------------------------- synthetic
+
+
+def _synthetic_chunk(chunk: int, spec: SourceSpec) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([spec.seed, chunk])
+    if spec.task == "lm":
+        # Learnable structure: each token follows from the previous by a fixed random
+        # permutation, with 10% of positions replaced by noise.
+        perm = np.random.default_rng([spec.seed, 1 << 30]).permutation(256)
+        toks = np.empty((_SYNTH_CHUNK, spec.seq_len), dtype=np.uint8)
+        toks[:, 0] = rng.integers(0, 256, _SYNTH_CHUNK)
+        noise = rng.random((_SYNTH_CHUNK, spec.seq_len)) < 0.1
+        rand = rng.integers(0, 256, (_SYNTH_CHUNK, spec.seq_len))
+        for t in range(1, spec.seq_len):
+            toks[:, t] = np.where(noise[:, t], rand[:, t], perm[toks[:, t - 1]])
+        return {"tokens": toks}
+    w_rng = np.random.default_rng([spec.seed, 1 << 31])
+    x = rng.standard_normal((_SYNTH_CHUNK, spec.num_features)).astype(np.float32)
+    if spec.task == "classification":
+        w = w_rng.standard_normal((spec.num_features, spec.num_classes))
+        return {"x": x, "y": np.argmax(x @ w, axis=1).astype(np.int64)}
+    w = w_rng.standard_normal(spec.num_features)
+    y = x @ w / np.sqrt(spec.num_features) + 0.1 * rng.standard_normal(_SYNTH_CHUNK)
+    return {"x": x, "y": y.astype(np.float32)}
+
+
+def synthetic_rows(ids: np.ndarray, spec: SourceSpec) -> dict[str, np.ndarray]:
+    """Rows for the given ids; each row depends only on (seed, id)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    parts: dict[str, list[np.ndarray]] = {}
+    chunks = ids // _SYNTH_CHUNK
+    for chunk in np.unique(chunks):
+        rows = _synthetic_chunk(int(chunk), spec)
+        sel = ids[chunks == chunk] - chunk * _SYNTH_CHUNK
+        for key, value in rows.items():
+            parts.setdefault(key, []).append(value[sel])
+    out = {k: np.concatenate(v) for k, v in parts.items()}
+    out["sample_id"] = ids
+    return out
+
+
+def synthetic_ids(spec: SourceSpec, split: str) -> np.ndarray:
+    ids = np.arange(spec.num_samples, dtype=np.int64)
+    return ids[split_mask(ids, spec.val_fraction, split)]
+
+
+# ---------------------------------------------------------------- parquet
+
+
+def _parquet_fs(path: str) -> tuple["pafs.FileSystem", str]:
+    import pyarrow.fs as pafs
+
+    try:
+        if "://" in path:
+            return pafs.FileSystem.from_uri(path)
+        return pafs.LocalFileSystem(), os.path.abspath(path)
+    except Exception as exc:  # pyarrow raises several types for bad URIs
+        raise DataError(f"data.path = {path!r}: not a readable filesystem path or URI ({exc})") from None
+
+
+def parquet_files(path: str, field: str = "data.path") -> tuple["pafs.FileSystem", list[str]]:
+    import pyarrow.fs as pafs
+
+    fs, root = _parquet_fs(path)
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.NotFound:
+        raise DataError(f"{field} = {path!r}: no such file or folder")
+    if info.type == pafs.FileType.File:
+        return fs, [root]
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    files = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
+    if not files:
+        raise DataError(f"{field} = {path!r}: the folder holds no .parquet files")
+    return fs, files
+
+
+@dataclass(frozen=True)
+class ParquetChunk:
+    path: str
+    row_group: int
+    first_id: int
+    num_rows: int
+
+
+def parquet_chunks(path: str, spec: SourceSpec, field: str = "data.path") -> tuple[list[ParquetChunk], "pa.Schema"]:
+    """One chunk per row group, with the global id of its first row; schemas checked."""
+    import pyarrow.parquet as pq
+
+    fs, files = parquet_files(path, field)
+    chunks, offset, schema = [], 0, None
+    for f in files:
+        try:
+            meta = pq.ParquetFile(f, filesystem=fs).metadata
+        except Exception as exc:
+            raise DataError(f"{field}: {f!r} is not a readable Parquet file ({exc})") from None
+        file_schema = meta.schema.to_arrow_schema()
+        if schema is None:
+            schema = file_schema
+        elif not file_schema.equals(schema):
+            raise DataError(f"{field}: {f!r} has schema {file_schema.names} but the first file has "
+                            f"{schema.names}; all files must share one schema")
+        for rg in range(meta.num_row_groups):
+            n = meta.row_group(rg).num_rows
+            if n:
+                chunks.append(ParquetChunk(f, rg, offset, n))
+                offset += n
+    if not chunks:
+        raise DataError(f"{field} = {path!r}: the Parquet files hold no rows")
+    assert schema is not None
+    return chunks, schema
+
+
+def check_parquet_columns(schema: "pa.Schema", spec: SourceSpec, field: str = "data.path") -> tuple[str, ...]:
+    """The feature columns to use; missing or non-numeric columns are a `DataError`."""
+    import pyarrow as pa
+
+    names = schema.names
+    if spec.label_column not in names:
+        raise DataError(f"data.label_column = {spec.label_column!r}: no such column in {field}; "
+                        f"columns are {names}")
+    label_type = schema.field(spec.label_column).type
+    if spec.task == "classification" and not pa.types.is_integer(label_type):
+        raise DataError(f"data.label_column = {spec.label_column!r} has type {label_type}: "
+                        "expected an integer class index for classification")
+    if spec.task == "regression" and not (pa.types.is_integer(label_type) or pa.types.is_floating(label_type)):
+        raise DataError(f"data.label_column = {spec.label_column!r} has type {label_type}: "
+                        "expected a number for regression")
+    features = spec.feature_columns or tuple(n for n in names if n != spec.label_column)
+    for col in features:
+        if col not in names:
+            raise DataError(f"data.feature_columns: column {col!r} is not in {field}; columns are {names}")
+        t = schema.field(col).type
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+            raise DataError(f"data.feature_columns: column {col!r} has type {t}: expected a number")
+    if not features:
+        raise DataError(f"{field}: no feature columns besides the label {spec.label_column!r}")
+    return tuple(features)
+
+
+def read_parquet_chunk(chunk: ParquetChunk, spec: SourceSpec, features: tuple[str, ...],
+                       split: str, root: str) -> dict[str, np.ndarray]:
+    import pyarrow.parquet as pq
+
+    fs, _ = _parquet_fs(root)
+    table = pq.ParquetFile(chunk.path, filesystem=fs).read_row_group(
+        chunk.row_group, columns=[*features, spec.label_column])
+    ids = np.arange(chunk.first_id, chunk.first_id + chunk.num_rows, dtype=np.int64)
+    keep = split_mask(ids, spec.val_fraction, split) if spec.val_fraction else (
+        np.ones_like(ids, dtype=bool) if split == "train" else np.zeros_like(ids, dtype=bool))
+    x = np.stack([table.column(c).to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+                  for c in features], axis=1)
+    y = table.column(spec.label_column).to_numpy(zero_copy_only=False)
+    y = y.astype(np.int64 if spec.task == "classification" else np.float32, copy=False)
+    if not np.isfinite(x).all():
+        raise DataError(f"{chunk.path}: row group {chunk.row_group} has NaN or infinite features")
+    return {"x": x[keep], "y": y[keep], "sample_id": ids[keep]}
+
+
+# ---------------------------------------------------------------- shared
+
+
+def _parquet_root_for(spec: SourceSpec, split: str) -> tuple[str, SourceSpec, str]:
+    """Which path feeds `split`, and the spec to read it with (val_path has no holdout)."""
+    if split == "val" and spec.val_path:
+        return spec.val_path, SourceSpec(**{**spec.__dict__, "val_fraction": 0.0}), "data.val_path"
+    return spec.path or "", spec, "data.path"
+
+
+def _count(ids: np.ndarray, spec: SourceSpec, split: str) -> int:
+    return int(split_mask(ids, spec.val_fraction, split).sum())
+
+
+def describe(spec: SourceSpec) -> DataInfo:
+    """Exact train/val sizes and tabular shape, from file sizes and metadata only."""
+    if spec.kind == "text":
+        files = text_files(spec)
+        ids = np.concatenate([text_window_ids(i, size, spec.seq_len) for i, (_, size) in enumerate(files)])
+        return DataInfo(num_train=_count(ids, spec, "train"), num_val=_count(ids, spec, "val"))
+    if spec.kind == "synthetic":
+        ids = np.arange(spec.num_samples, dtype=np.int64)
+        classes = spec.num_classes if spec.task == "classification" else 0
+        return DataInfo(num_train=_count(ids, spec, "train"), num_val=_count(ids, spec, "val"),
+                        num_features=spec.num_features if spec.task != "lm" else 0,
+                        num_classes=classes)
+    chunks, schema = parquet_chunks(spec.path or "", spec)
+    features = check_parquet_columns(schema, spec)
+    total = sum(c.num_rows for c in chunks)
+    ids = np.arange(total, dtype=np.int64)
+    if spec.val_path:
+        vchunks, vschema = parquet_chunks(spec.val_path, spec, "data.val_path")
+        check_parquet_columns(vschema, spec, "data.val_path")
+        num_train, num_val = total, sum(c.num_rows for c in vchunks)
+    else:
+        num_train, num_val = _count(ids, spec, "train"), _count(ids, spec, "val")
+    classes = 0
+    if spec.task == "classification":
+        classes = _max_label(chunks, spec) + 1
+    return DataInfo(num_train=num_train, num_val=num_val, num_features=len(features),
+                    num_classes=classes, feature_columns=features)
+
+
+def _max_label(chunks: list[ParquetChunk], spec: SourceSpec) -> int:
+    """The largest class index, from row-group statistics where they exist."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    fs, _ = _parquet_fs(spec.path or "")
+    best = 0
+    for path in sorted({c.path for c in chunks}):
+        col = pq.read_table(path, columns=[spec.label_column], filesystem=fs).column(0)
+        lo, hi = pc.min(col).as_py(), pc.max(col).as_py()
+        if lo is None or lo < 0:
+            raise DataError(f"data.label_column = {spec.label_column!r}: class indices must be "
+                            f">= 0 (found {lo} in {path})")
+        best = max(best, hi)
+    return int(best)
+
+
+def iter_source(spec: SourceSpec, split: str, features: tuple[str, ...] = ()) -> Iterator[dict[str, np.ndarray]]:
+    """The whole split in source order, one piece (file, chunk) at a time: the order the
+    Ray Data pipeline produces with ``preserve_order``."""
+    if spec.kind == "text":
+        for i, (path, _) in enumerate(text_files(spec)):
+            yield text_windows(i, path, spec, split)
+    elif spec.kind == "synthetic":
+        ids = synthetic_ids(spec, split)
+        for start in range(0, ids.size, 4096):
+            yield synthetic_rows(ids[start:start + 4096], spec)
+    else:
+        root, rspec, field = _parquet_root_for(spec, split)
+        chunks, _ = parquet_chunks(root, rspec, field)
+        for chunk in chunks:
+            yield read_parquet_chunk(chunk, rspec, features, split, root)

@@ -1,0 +1,171 @@
+"""The only place that builds TorchTrainer, ScalingConfig, RunConfig and datasets.
+
+>>> import raytrain_platform as rtp                                   # doctest: +SKIP
+>>> result = rtp.train("pipelines/configs/quickstart.yaml")           # doctest: +SKIP
+>>> result.run_dir, result.metrics[-1]["val_perplexity"]              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from raytrain_platform.config import JobConfig, load_config
+from raytrain_platform.resolve import ResolvedJob, resolve_job
+from raytrain_platform.rundir import (CONFIG_FILE, SUMMARY_FILE, best_checkpoint, latest_checkpoint,
+                                      plot_run, read_metrics, write_json)
+
+__all__ = ["TrainResult", "train", "prepare", "format_progress"]
+
+_QUIET_ENV = {
+    "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
+    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+}
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    metrics: list[dict]  # every reported step, as in metrics.jsonl
+    checkpoint: Path | None  # the latest checkpoint
+    best_checkpoint: Path | None  # lowest val_loss among those kept
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def final(self) -> dict:
+        return self.metrics[-1] if self.metrics else {}
+
+
+def prepare(config: Any, overrides: list[str] | None = None) -> ResolvedJob:
+    """Load, validate and resolve: everything that can fail before Ray starts."""
+    cfg = load_config(config, overrides)
+    storage = cfg.run.storage_path
+    if "://" not in storage:
+        cfg = cfg.replace({"run.storage_path": os.path.abspath(os.path.expanduser(storage))})
+    return resolve_job(cfg)
+
+
+def format_progress(m: dict, total: int) -> str:
+    parts = [f"step {m['step']:>5}/{total}", f"epoch {m['epoch']}", f"loss {m['loss']:.4f}"]
+    if "val_loss" in m:
+        parts.append(f"val_loss {m['val_loss']:.4f}")
+        if "val_perplexity" in m:
+            parts.append(f"val_ppl {m['val_perplexity']:.2f}")
+        elif "val_accuracy" in m:
+            parts.append(f"val_acc {m['val_accuracy']:.3f}")
+    if "tokens_per_s" in m:
+        parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+    parts += [f"{m['samples_per_s']:,.1f} samples/s", f"data wait {100 * m['data_wait_frac']:.1f}%",
+              f"lr {m['lr']:.2e}"]
+    return " | ".join(parts)
+
+
+def _init_ray(address: str | None, verbose: bool) -> None:
+    import ray
+
+    for k, v in _QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs: dict = {"log_to_driver": verbose, "logging_level": "INFO" if verbose else "WARNING",
+                    "runtime_env": {"env_vars": dict(_QUIET_ENV)}}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(include_dashboard=False, **kwargs)
+
+
+def _build_trainer(job: ResolvedJob):
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_platform.data.ray_data import build_datasets, ingest_options
+    from raytrain_platform.launch.worker import train_loop_per_worker
+
+    cfg = job.config
+    datasets = build_datasets(cfg, job.data)
+    for ds in datasets.values():
+        ds.context.enable_progress_bars = False
+    scaling = ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+                            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
+                                                  **({"GPU": 1} if cfg.scaling.use_gpu else {})})
+    run_config = RunConfig(
+        name=cfg.run.name, storage_path=cfg.run.storage_path,
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+        failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+        worker_runtime_env={"env_vars": dict(_QUIET_ENV)})
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"job": job.to_dict()},
+        scaling_config=scaling,
+        run_config=run_config,
+        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        datasets=datasets,
+        dataset_config=DataConfig(datasets_to_split=["train"], execution_options=ingest_options()),
+    )
+
+
+def _tail_progress(run_dir: Path, total: int, stop: threading.Event,
+                   emit: Callable[[str], None]) -> None:
+    shown = 0
+    while True:
+        rows = read_metrics(run_dir)
+        for m in rows[shown:]:
+            emit(format_progress(m, total))
+        shown = max(shown, len(rows))
+        if stop.is_set():
+            return
+        stop.wait(0.5)
+
+
+def train(config: Any, overrides: list[str] | None = None, *, address: str | None = None,
+          verbose: bool = False, progress: bool = True) -> TrainResult:
+    """Train from a YAML path, a dict or a `JobConfig` on an embedded local Ray (default)
+    or the cluster at `address` / ``RAY_ADDRESS``. Rerunning the same ``run.name`` in the
+    same storage resumes from its latest checkpoint."""
+    job = prepare(config, overrides)
+    cfg = job.config
+    run_dir = Path(cfg.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
+    emit = (lambda line: print(line, flush=True)) if progress else (lambda line: None)
+    resumed = latest_checkpoint(run_dir)
+    emit(cfg.summary())
+    if resumed:
+        emit(f"resuming from {resumed}")
+    t0 = time.time()
+    _init_ray(address, verbose)
+    trainer = _build_trainer(job)
+    stop = threading.Event()
+    tail = threading.Thread(target=_tail_progress, args=(run_dir, job.total_steps, stop, emit),
+                            daemon=True)
+    tail.start()
+    try:
+        trainer.fit()
+    finally:
+        stop.set()
+        tail.join()
+    return finish_run(run_dir, wall_time_s=time.time() - t0, emit=emit)
+
+
+def finish_run(run_dir: Path, *, wall_time_s: float, emit: Callable[[str], None]) -> TrainResult:
+    """Write summary.json and plot.png from what the run left in its directory."""
+    metrics = read_metrics(run_dir)
+    latest, best = latest_checkpoint(run_dir), best_checkpoint(run_dir)
+    final = metrics[-1] if metrics else {}
+    summary = {"run_dir": str(run_dir), "steps": final.get("step", 0), "final": final,
+               "wall_time_s": round(wall_time_s, 3), "latest_checkpoint": str(latest) if latest else None,
+               "best_checkpoint": str(best) if best else None}
+    write_json(run_dir / SUMMARY_FILE, summary)
+    plot = plot_run(run_dir, metrics)
+    emit(f"done: {final.get('step', 0)} steps in {wall_time_s:.1f}s; run dir {run_dir}"
+         + (f"; plot {plot}" if plot else ""))
+    return TrainResult(run_dir=run_dir, metrics=metrics, checkpoint=latest, best_checkpoint=best,
+                       summary=summary)

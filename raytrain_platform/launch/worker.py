@@ -1,0 +1,89 @@
+"""The per-worker function Ray Train calls: the only place on the worker side that
+touches ``ray.train``. It converts the dict to typed config once, wraps the
+dataset shard as a `BatchSource`, and hands over to the Ray-free engine."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from typing import Callable
+
+import torch
+
+from raytrain_platform.core.dist import DistEnv
+from raytrain_platform.core.engine import run_training
+from raytrain_platform.resolve import ResolvedJob
+from raytrain_platform.rundir import checkpoint_name
+
+__all__ = ["train_loop_per_worker"]
+
+
+class RayBatches:
+    """`BatchSource` over Ray Data: the train shard (split by Ray Train) and the
+    unsplit validation set (each rank takes every world-th micro-batch)."""
+
+    def __init__(self, job: ResolvedJob, env: DistEnv):
+        import ray.train
+
+        self.cfg, self.env = job.config, env
+        self.train_it = ray.train.get_dataset_shard("train")
+        self.val_it = ray.train.get_dataset_shard("val") if job.data.num_val else None
+
+    def _iter(self, it, *, shuffle_seed: int | None):
+        d = self.cfg.data
+        return it.iter_torch_batches(
+            batch_size=d.batch_size, drop_last=True, prefetch_batches=d.prefetch_batches,
+            local_shuffle_buffer_size=d.shuffle_buffer or None,
+            local_shuffle_seed=shuffle_seed if d.shuffle_buffer else None)
+
+    def train_epoch(self, epoch: int):
+        d = self.cfg.data
+        seed = (d.shuffle_seed if d.shuffle_seed is not None else self.cfg.train.seed) + epoch
+        return self._iter(self.train_it, shuffle_seed=seed)
+
+    def val_batches(self, n: int):
+        out = []
+        for j, batch in enumerate(self._iter(self.val_it, shuffle_seed=None)):
+            if j >= n * self.env.world_size:
+                break
+            if j % self.env.world_size == self.env.rank:
+                out.append(batch)
+        return out
+
+
+class RayReporter:
+    def __init__(self, job: ResolvedJob):
+        self.job = job
+
+    def report(self, metrics: dict, save: Callable[[str], None] | None) -> None:
+        import ray.train
+
+        if save is None:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory(prefix="rtp-ckpt-") as tmp:
+            save(tmp)
+            has_files = any(os.scandir(tmp))
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(tmp) if has_files else None,
+                checkpoint_dir_name=checkpoint_name(metrics["step"]))
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    import ray.train
+
+    job = ResolvedJob.from_dict(loop_config["job"])
+    cfg = job.config
+    torch.set_num_threads(cfg.scaling.torch_threads or max(1, math.floor(cfg.scaling.cpus_per_worker)))
+    env = DistEnv.current(use_gpu=cfg.scaling.use_gpu)
+    checkpoint = ray.train.get_checkpoint()
+    source, reporter = RayBatches(job, env), RayReporter(job)
+    if checkpoint is None:
+        run_training(job, env, source=source, reporter=reporter, resume_dir=None,
+                     run_dir=cfg.run.run_dir)
+        return
+    with checkpoint.as_directory() as resume_dir:
+        run_training(job, env, source=source, reporter=reporter, resume_dir=resume_dir,
+                     run_dir=cfg.run.run_dir)

@@ -1,0 +1,39 @@
+"""`ddp`: DistributedDataParallel, with a comm hook that counts the all-reduces.
+
+With gradient accumulation the engine runs every micro-step but the last inside
+``no_sync()``, so gradients are all-reduced once per optimizer step (nanoGPT's
+``require_backward_grad_sync`` trick, through DDP's public context manager).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from raytrain_platform.parallel.base import CommCounter, Parallelized
+
+__all__ = ["apply_ddp"]
+
+
+def _counting_allreduce(counter, bucket):  # no annotations: DDP inspects them
+    counter.calls += 1
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def apply_ddp(model: nn.Module, *, env, cfg) -> Parallelized:
+    """Wrap `model` (already on its device) in DDP over the default process group.
+
+    Without a process group (a plain single-process run) there is nothing to sync."""
+    if not dist.is_initialized():
+        return Parallelized(module=model, base=model)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+        find_unused_parameters=cfg.find_unused_parameters,
+    )
+    counter = CommCounter()
+    ddp.register_comm_hook(counter, _counting_allreduce)
+    return Parallelized(module=ddp, base=model, no_sync=ddp.no_sync, comm=counter)

@@ -1,0 +1,14 @@
+"""`none`: one process, the model as it is."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from raytrain_platform.parallel.base import Parallelized
+
+__all__ = ["apply_none"]
+
+
+def apply_none(model: nn.Module, *, env, cfg) -> Parallelized:
+    """No wrapping; used with exactly one worker."""
+    return Parallelized(module=model, base=model)

@@ -1,0 +1,82 @@
+"""Turn a validated config into a runnable job: look at the data (sizes, columns)
+without reading it, fill in what the config left to the data (the MLP's input and
+output sizes), and check that the data can feed one optimizer step on every rank.
+
+Everything here happens before any Ray resource is requested; no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from raytrain_platform.config import JobConfig
+from raytrain_platform.data.sources import DataInfo, SourceSpec, describe
+from raytrain_platform.errors import ConfigError, DataError
+
+__all__ = ["ResolvedJob", "resolve_job"]
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    config: JobConfig
+    data: DataInfo
+    steps_per_epoch: int  # optimizer steps in one pass over the training split
+    total_steps: int  # what the LR schedule spans
+
+    def to_dict(self) -> dict:
+        return {"config": self.config.to_dict(), "data": dataclasses.asdict(self.data),
+                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ResolvedJob":
+        data = dict(d["data"])
+        data["feature_columns"] = tuple(data.get("feature_columns", ()))
+        return cls(config=JobConfig.from_dict(d["config"]), data=DataInfo(**data),
+                   steps_per_epoch=d["steps_per_epoch"], total_steps=d["total_steps"])
+
+
+def _fill_mlp(cfg: JobConfig, info: DataInfo) -> JobConfig:
+    kw = cfg.model.kwargs
+    want_out = info.num_classes if kw["task"] == "classification" else 1
+    if kw["input_dim"] is not None and kw["input_dim"] != info.num_features:
+        raise ConfigError("model.kwargs.input_dim", kw["input_dim"],
+                          f"{info.num_features} (the number of feature columns in the data) or null")
+    if kw["num_outputs"] is not None and kw["task"] == "classification" and kw["num_outputs"] < want_out:
+        raise ConfigError("model.kwargs.num_outputs", kw["num_outputs"],
+                          f"at least {want_out} (the data has class indices up to {want_out - 1}) or null")
+    return cfg.replace({"model.kwargs.input_dim": info.num_features,
+                        "model.kwargs.num_outputs": kw["num_outputs"] or want_out})
+
+
+def resolve_job(cfg: JobConfig) -> ResolvedJob:
+    """Raises `DataError` / `ConfigError` with one line naming the problem."""
+    if cfg.model.name == "mlp" and cfg.data.source == "synthetic" and cfg.model.task == "lm":
+        raise ConfigError("model.name", "mlp", "gpt for lm data")
+    info = describe(SourceSpec.from_config(cfg))
+    if cfg.model.name == "mlp":
+        cfg = _fill_mlp(cfg, info)
+    world, batch, accum = cfg.scaling.num_workers, cfg.data.batch_size, cfg.train.grad_accum_steps
+    per_step = world * batch * accum
+    if info.num_train == 0:
+        raise DataError(f"data.source = {cfg.data.source!r}: the training split is empty")
+    # Each epoch deals whole rounds of one micro-batch per rank (see data/ray_data.py).
+    rounds = info.num_train // (world * batch)
+    steps_per_epoch = rounds // accum
+    if steps_per_epoch == 0:
+        raise DataError(
+            f"the training split has {info.num_train} rows, fewer than one optimizer step needs: "
+            f"scaling.num_workers ({world}) x data.batch_size ({batch}) x train.grad_accum_steps "
+            f"({accum}) = {per_step}")
+    has_val = cfg.data.val_fraction > 0 or cfg.data.val_path
+    if has_val and info.num_val < world * batch:
+        raise DataError(
+            f"the validation split has {info.num_val} rows, fewer than scaling.num_workers ({world}) "
+            f"x data.batch_size ({batch}) = {world * batch}; raise data.val_fraction, or set it to 0 "
+            "to skip validation")
+    limits = []
+    if cfg.train.max_steps:
+        limits.append(cfg.train.max_steps)
+    if cfg.train.epochs:
+        limits.append(cfg.train.epochs * steps_per_epoch)
+    return ResolvedJob(config=cfg, data=info, steps_per_epoch=steps_per_epoch, total_steps=min(limits))

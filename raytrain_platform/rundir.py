@@ -1,0 +1,137 @@
+"""The run directory layout, read and written the same way by the CLI, Tune and Serve.
+
+    <run.storage_path>/<run.name>/
+        config.yaml         the resolved config
+        metrics.jsonl       one JSON object per reported step
+        summary.json        final metrics, wall time, best checkpoint
+        plot.png            loss and throughput
+        checkpoint_000050/  model.safetensors, optimizer.pt, trainer_state.json, config.yaml
+
+No torch or Ray here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = [
+    "CONFIG_FILE", "METRICS_FILE", "SUMMARY_FILE", "PLOT_FILE",
+    "MetricsLog", "read_metrics", "list_checkpoints", "latest_checkpoint", "best_checkpoint",
+    "write_json", "checkpoint_name",
+]
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+PLOT_FILE = "plot.png"
+STATE_FILE = "trainer_state.json"
+_CKPT = re.compile(r"^checkpoint_(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint_{step:06d}"
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write atomically: a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+class MetricsLog:
+    """Appends one JSON line per report. On resume, lines past the resumed step are
+    dropped first, so the file reads as one uninterrupted run."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, resume_step: int = 0):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [m for m in read_metrics(self.path.parent) if m.get("step", 0) <= resume_step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        os.replace(tmp, self.path)
+
+    def append(self, metrics: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+            f.flush()
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut short by a crash ends the readable log
+    return rows
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints (those with a trainer_state.json), oldest first."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _CKPT.match(child.name)
+        if m and child.is_dir() and (child / STATE_FILE).exists():
+            found.append((int(m.group(1)), child))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def best_checkpoint(run_dir: str | os.PathLike, metric: str = "val_loss") -> Path | None:
+    """The kept checkpoint with the lowest `metric`, else the latest."""
+    scored = []
+    for ckpt in list_checkpoints(run_dir):
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        value = state.get("metrics", {}).get(metric)
+        if value is not None:
+            scored.append((value, ckpt))
+    if scored:
+        return min(scored, key=lambda t: t[0])[1]
+    return latest_checkpoint(run_dir)
+
+
+def plot_run(run_dir: str | os.PathLike, metrics: Iterable[dict] | None = None) -> Path | None:
+    """plot.png: training and validation loss (left), samples/s (right)."""
+    rows = list(metrics if metrics is not None else read_metrics(run_dir))
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = [r["step"] for r in rows]
+    ax_loss.plot(steps, [r["loss"] for r in rows], label="train loss")
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    if val:
+        ax_loss.plot(*zip(*val), "o-", label="val loss")
+    ax_loss.set_xlabel("optimizer step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend()
+    ax_tput.plot(steps, [r.get("samples_per_s", 0.0) for r in rows], color="tab:green")
+    ax_tput.set_xlabel("optimizer step")
+    ax_tput.set_ylabel("samples/s (all workers)")
+    fig.suptitle(Path(run_dir).name)
+    fig.tight_layout()
+    out = Path(run_dir) / PLOT_FILE
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
