@@ -369,6 +369,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(key.strip(), raw, f"a YAML value ({str(exc).splitlines()[0]})") from None
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
+        value = float(value)  # YAML 1.1 reads "3e-4" as a string; people mean the number
     return key.strip(), value
 
 

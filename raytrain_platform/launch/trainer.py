@@ -82,6 +82,22 @@ def _init_ray(address: str | None, verbose: bool) -> None:
         ray.init(include_dashboard=False, **kwargs)
 
 
+def _check_cpu_headroom(cfg: JobConfig) -> None:
+    """Training workers that take every CPU leave none for Ray Data's read tasks, and
+    the run hangs waiting for its first batch: refuse that up front."""
+    import ray
+
+    from raytrain_platform.errors import ConfigError
+
+    total = ray.cluster_resources().get("CPU", 0.0)
+    need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    if total and need > total - 0.5:
+        raise ConfigError("scaling.cpus_per_worker", cfg.scaling.cpus_per_worker,
+                          f"a value with num_workers ({cfg.scaling.num_workers}) x cpus_per_worker "
+                          f"<= {total - 0.5:g}: the cluster has {total:g} CPUs and Ray Data "
+                          "needs at least 0.5 of them to feed the workers")
+
+
 def _build_trainer(job: ResolvedJob):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -90,6 +106,7 @@ def _build_trainer(job: ResolvedJob):
     from raytrain_platform.launch.worker import train_loop_per_worker
 
     cfg = job.config
+    _check_cpu_headroom(cfg)
     datasets = build_datasets(cfg, job.data)
     for ds in datasets.values():
         ds.context.enable_progress_bars = False

@@ -1,0 +1,82 @@
+"""The training core without Ray, under plain torchrun (or one plain process):
+
+    torchrun --nproc-per-node 2 -m raytrain_platform.core --config CONFIG [--set KEY=VALUE ...]
+
+Same config, model, strategy, data order and sharding rule as a Ray run; the
+run directory gets metrics.jsonl and checkpoints. Used for GPU benchmarks on
+machines where Ray is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from raytrain_platform.config import load_config
+from raytrain_platform.core.dist import barrier, init_torchrun
+from raytrain_platform.core.engine import run_training
+from raytrain_platform.data.local import LocalBatches
+from raytrain_platform.errors import UserError
+from raytrain_platform.resolve import resolve_job
+from raytrain_platform.rundir import CONFIG_FILE, checkpoint_name, latest_checkpoint, list_checkpoints
+
+
+class LocalReporter:
+    """Checkpoints straight into the run directory; keeps the newest `keep`."""
+
+    def __init__(self, run_dir: Path, keep: int, is_rank0: bool):
+        self.run_dir, self.keep, self.is_rank0 = run_dir, keep, is_rank0
+
+    def report(self, metrics, save) -> None:
+        if save is None:
+            return
+        target = self.run_dir / checkpoint_name(metrics["step"])
+        save(str(target))
+        barrier()
+        if self.is_rank0:
+            for old in list_checkpoints(self.run_dir)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        if self.is_rank0:
+            print(f"step {metrics['step']}: loss {metrics['loss']:.4f}, checkpoint {target}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m raytrain_platform.core")
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        cfg = cfg.replace({"run.storage_path": os.path.abspath(cfg.run.storage_path)})
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        cfg = cfg.replace({"scaling.num_workers": world})
+        job = resolve_job(cfg)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(cfg.scaling.torch_threads or max(1, math.floor(cfg.scaling.cpus_per_worker)))
+    env = init_torchrun(use_gpu=cfg.scaling.use_gpu)
+    run_dir = Path(cfg.run.run_dir)
+    if env.is_rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
+    barrier()
+    resume = latest_checkpoint(run_dir)
+    final = run_training(job, env, source=LocalBatches(job, rank=env.rank, world_size=env.world_size),
+                         reporter=LocalReporter(run_dir, cfg.run.keep_checkpoints, env.is_rank0),
+                         resume_dir=str(resume) if resume else None, run_dir=str(run_dir))
+    if env.is_rank0:
+        print(f"done: {final.get('step', 0)} steps, final loss {final.get('loss', float('nan')):.4f}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

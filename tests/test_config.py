@@ -1,0 +1,118 @@
+"""Config validation: every bad value is one line naming the field, before any Ray."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT, mlp_config
+from raytrain_platform.config import JobConfig, load_config
+from raytrain_platform.errors import ConfigError
+
+
+def test_valid_config_round_trips(tmp_path):
+    cfg = JobConfig.from_dict(mlp_config(tmp_path, "ok"))
+    again = JobConfig.from_dict(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg
+    assert cfg.model.kwargs["hidden_sizes"] == [32]
+
+
+def test_python_objects_and_overrides(tmp_path):
+    cfg = load_config(mlp_config(tmp_path, "ok"), ["train.lr=3e-4", "model.kwargs.dropout=0.1",
+                                                  "scaling.use_gpu=false"])
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.model.kwargs["dropout"] == 0.1
+    assert load_config(cfg).train.lr == cfg.train.lr
+
+
+BAD = [
+    ({"train": {"lr": -1}}, "train.lr = -1"),
+    ({"train": {"lr": "fast"}}, "train.lr = 'fast'"),
+    ({"train": {"max_steps": None, "epochs": None}}, "train.max_steps"),
+    ({"train": {"grad_accum_steps": 0}}, "train.grad_accum_steps = 0"),
+    ({"train": {"optimizer": "adam"}}, "train.optimizer = 'adam'"),
+    ({"train": {"lrr": 0.1}}, "train.lrr"),
+    ({"parallel": {"strategy": "zero3"}}, "parallel.strategy = 'zero3'"),
+    ({"parallel": {"strategy": "none"}, "scaling": {"num_workers": 2}}, "scaling.num_workers = 2"),
+    ({"scaling": {"use_gpu": "yes"}}, "scaling.use_gpu = 'yes'"),
+    ({"scaling": {"num_workers": 0}}, "scaling.num_workers = 0"),
+    ({"data": {"batch_size": 0}}, "data.batch_size = 0"),
+    ({"data": {"source": "csv"}}, "data.source = 'csv'"),
+    ({"data": {"val_fraction": 1.5}}, "data.val_fraction = 1.5"),
+    ({"run": {"name": "bad name!"}}, "run.name = 'bad name!'"),
+    ({"run": {"keep_checkpoints": 0}}, "run.keep_checkpoints = 0"),
+    ({"model": {"name": "resnet"}}, "model.name = 'resnet'"),
+    ({"model": {"name": "gpt", "kwargs": {"n_embd": 30, "n_head": 4}}}, "model.kwargs.n_embd = 30"),
+    ({"model": {"name": "gpt", "kwargs": {"layers": 2}}}, "model.kwargs.layers"),
+]
+
+
+@pytest.mark.parametrize("patch,needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_values_name_the_field(tmp_path, patch, needle):
+    data = mlp_config(tmp_path, "bad")
+    for section, values in patch.items():
+        data[section] = {**data[section], **values}
+        if section == "model":
+            data[section] = values
+    with pytest.raises(ConfigError) as err:
+        JobConfig.from_dict(data)
+    msg = str(err.value)
+    assert needle in msg and "expected" in msg and "\n" not in msg
+
+
+def test_unknown_section_and_missing_required(tmp_path):
+    data = mlp_config(tmp_path, "x")
+    data["trainer"] = {}
+    with pytest.raises(ConfigError, match="no such section"):
+        JobConfig.from_dict(data)
+    data = mlp_config(tmp_path, "x")
+    del data["run"]["name"]
+    with pytest.raises(ConfigError, match=r"run.name = None: expected a value \(required\)"):
+        JobConfig.from_dict(data)
+
+
+def test_bad_override_syntax(tmp_path):
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(mlp_config(tmp_path, "x"), ["train.lr"])
+
+
+def _rtp(*args):
+    return subprocess.run([sys.executable, "-m", "raytrain_platform", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+
+
+def test_cli_validate_ok_and_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(mlp_config(tmp_path, "cli")))
+    ok = _rtp("validate", str(path))
+    assert ok.returncode == 0, ok.stderr
+    assert "valid:" in ok.stdout and "training" in ok.stdout
+    for args, needle in [((str(path), "--set", "train.lr=0"), "train.lr = 0"),
+                         ((str(tmp_path / "missing.yaml"),), "an existing YAML file"),
+                         ((str(path), "--set", "data.batch_size=1000"), "fewer than one optimizer step")]:
+        bad = _rtp("validate", *args)
+        assert bad.returncode == 2, bad
+        assert needle in bad.stderr and "Traceback" not in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_bad_data_is_a_clear_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    pq.write_table(pa.table({"a": [1.0] * 40, "label": [0, 1] * 20}), folder / "part.parquet")
+    cases = [({"source": "parquet", "path": str(tmp_path / "nope")}, "no such file or folder"),
+             ({"source": "parquet", "path": str(folder), "label_column": "y"}, "no such column"),
+             ({"source": "parquet", "path": str(folder), "feature_columns": ["b"]}, "'b' is not in"),
+             ({"source": "text", "path": str(tmp_path / "none")}, "existing folder")]
+    for data, needle in cases:
+        cfg = mlp_config(tmp_path, "d", data=data)
+        if data["source"] == "text":
+            cfg["model"] = {"name": "gpt"}
+        path = tmp_path / "d.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        bad = _rtp("validate", str(path))
+        assert bad.returncode == 2 and needle in bad.stderr, (needle, bad.stderr)
