@@ -42,7 +42,6 @@ class LocalReporter:
         if self.is_rank0:
             for old in list_checkpoints(self.run_dir)[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-        if self.is_rank0:
             print(f"step {metrics['step']}: loss {metrics['loss']:.4f}, checkpoint {target}", flush=True)
 
 
