@@ -16,8 +16,8 @@ from typing import Any
 from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.errors import CheckpointError, ConfigError, DataError, UserError
 
-__all__ = ["JobConfig", "load_config", "train", "TrainResult", "UserError", "ConfigError",
-           "DataError", "CheckpointError", "__version__"]
+__all__ = ["JobConfig", "load_config", "train", "TrainResult", "export_checkpoint", "UserError",
+           "ConfigError", "DataError", "CheckpointError", "__version__"]
 __version__ = "0.1.0"
 
 
@@ -26,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from raytrain_platform.launch import trainer
 
         return getattr(trainer, name)
+    if name == "export_checkpoint":
+        from raytrain_platform.export import export_checkpoint
+
+        return export_checkpoint
     raise AttributeError(f"module 'raytrain_platform' has no attribute {name!r}")

@@ -2,6 +2,9 @@
 
     rtp validate CONFIG [--set KEY=VALUE ...]
     rtp train CONFIG [--set KEY=VALUE ...] [--address ADDR] [--verbose]
+    rtp export RUN_DIR_OR_CHECKPOINT [--out DIR]
+    rtp make-data OUT [--rows N] [--features F] [--classes C] [--files K] [--seed S]
+    rtp plan [CONFIG] [--model M | --params N ...] --device-mem SIZE [...] [--json]
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (config, data, checkpoint).
 """
@@ -40,6 +43,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_make_data(args: argparse.Namespace) -> int:
+    from raytrain_platform.data.generate import write_tabular_parquet
+
+    paths = write_tabular_parquet(args.out, rows=args.rows, features=args.features,
+                                  classes=args.classes, files=args.files, seed=args.seed)
+    print(f"wrote {args.rows} rows ({args.features} features, {args.classes} classes) "
+          f"in {len(paths)} Parquet file(s) under {args.out}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from raytrain_platform.export import export_checkpoint
+
+    out = export_checkpoint(args.path, args.out)
+    print(f"exported {out}/model.safetensors (+ config.yaml, export.json)")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from raytrain_platform.plan.command import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtp", description="Ray-native distributed training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)")
     p.add_argument("--verbose", action="store_true", help="show Ray's own logs too")
     p.set_defaults(fn=_cmd_train)
+    p = sub.add_parser("make-data", help="write a synthetic tabular dataset as Parquet")
+    p.add_argument("out", help="folder to write (new or empty)")
+    p.add_argument("--rows", type=int, default=20_000)
+    p.add_argument("--features", type=int, default=16)
+    p.add_argument("--classes", type=int, default=4)
+    p.add_argument("--files", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=_cmd_make_data)
+    p = sub.add_parser("export", help="consolidate a checkpoint into one safetensors file for serving")
+    p.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    p.add_argument("--out", default=None, help="output folder (default: <run dir>/export)")
+    p.set_defaults(fn=_cmd_export)
+    from raytrain_platform.plan.command import add_plan_arguments  # no torch: `rtp` stays fast
+
+    p = sub.add_parser("plan", help="per-device memory of each strategy, which fit, and a recommendation")
+    add_plan_arguments(p)
+    p.set_defaults(fn=_cmd_plan)
     return parser
 
 

@@ -170,12 +170,25 @@ class ParallelConfig:
     strategy: str = "none"
     ddp_bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
+    # FSDP only (parallel/fsdp.py). mixed_precision and cpu_offload need GPUs: rejected on CPU.
+    mixed_precision: bool = False  # bf16 parameters in forward/backward, fp32 gradient reduction
+    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
+    cpu_offload: bool = False  # sharded parameters, gradients, optimizer state in host memory
+    activation_checkpointing: bool = False  # recompute each gpt block's activations in backward
+
+    _FSDP_ONLY: ClassVar[dict[str, bool]] = {
+        "mixed_precision": False, "reshard_after_forward": True, "cpu_offload": False,
+        "activation_checkpointing": False}
 
     def __post_init__(self) -> None:
         _check(self.strategy in STRATEGIES, "parallel.strategy", self.strategy,
                f"one of {strategy_names()}")
         _check(self.ddp_bucket_cap_mb > 0, "parallel.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb,
                "a number > 0")
+        if self.strategy != "fsdp":
+            for name, default in self._FSDP_ONLY.items():
+                _check(getattr(self, name) == default, f"parallel.{name}", getattr(self, name),
+                       f"{str(default).lower()} unless parallel.strategy is 'fsdp'")
 
 
 @dataclass
@@ -255,6 +268,13 @@ class JobConfig:
         _check(strat.min_workers <= n and (strat.max_workers is None or n <= strat.max_workers),
                "scaling.num_workers", n,
                f"{strat.describe_workers()} for parallel.strategy '{self.parallel.strategy}'")
+        par = self.parallel
+        for name in ("mixed_precision", "cpu_offload"):
+            _check(self.scaling.use_gpu or not getattr(par, name), f"parallel.{name}",
+                   getattr(par, name), "false when scaling.use_gpu is false (GPU-only FSDP option)")
+        _check(self.model.name == "gpt" or not par.activation_checkpointing,
+               "parallel.activation_checkpointing", par.activation_checkpointing,
+               f"false for model '{self.model.name}' (it checkpoints gpt blocks)")
         task = self.model.task
         if self.data.source == "text":
             _check(task == "lm", "data.source", "text",

@@ -24,12 +24,48 @@ def mlp_config(tmp: Path, name: str, **sections) -> dict:
     return cfg
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for torchrun's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_metrics(cfg: dict, config_path: Path, nproc: int, *, timeout: int = 300,
+                     env: dict | None = None) -> list[dict]:
+    """Train `cfg` with the Ray-free core under torchrun (`nproc` ranks on 127.0.0.1);
+    returns the metrics rows it logged in its run directory."""
+    import json
+    import subprocess
+
+    import yaml
+
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m",
+           "raytrain_platform.core", "--config", str(config_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = Path(cfg["run"]["storage_path"]) / cfg["run"]["name"]
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_torchrun(tmp: Path, name: str, nproc: int, **patch) -> list[float]:
+    """`mlp_config(tmp, name, **patch)` under torchrun; returns its losses."""
+    rows = torchrun_metrics(mlp_config(tmp, name, **patch), tmp / f"{name}.yaml", nproc)
+    return [r["loss"] for r in rows]
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One real local Ray per test module (start-up is the expensive part)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0"}})
     yield
     ray.shutdown()

@@ -1,5 +1,6 @@
 """Config validation: every bad value is one line naming the field, before any Ray."""
 
+import re
 import subprocess
 import sys
 
@@ -101,12 +102,20 @@ def test_bad_data_is_a_clear_error(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    folder = tmp_path / "pq"
-    folder.mkdir()
+    folder, strings, empty = tmp_path / "pq", tmp_path / "strings", tmp_path / "empty"
+    for f in (folder, strings, empty):
+        f.mkdir()
     pq.write_table(pa.table({"a": [1.0] * 40, "label": [0, 1] * 20}), folder / "part.parquet")
+    pq.write_table(pa.table({"a": ["x"] * 40, "label": [0, 1] * 20}), strings / "part.parquet")
+    pq.write_table(pa.table({"a": pa.array([], pa.float64()), "label": pa.array([], pa.int64())}),
+                   empty / "part.parquet")
     cases = [({"source": "parquet", "path": str(tmp_path / "nope")}, "no such file or folder"),
              ({"source": "parquet", "path": str(folder), "label_column": "y"}, "no such column"),
              ({"source": "parquet", "path": str(folder), "feature_columns": ["b"]}, "'b' is not in"),
+             ({"source": "parquet", "path": str(strings)}, "column 'a' has type string: expected a number"),
+             ({"source": "parquet", "path": str(empty)}, "hold no rows"),
+             ({"source": "parquet", "path": str(folder), "batch_size": 64, "val_fraction": 0.0},
+              "fewer than one optimizer step needs"),
              ({"source": "text", "path": str(tmp_path / "none")}, "existing folder")]
     for data, needle in cases:
         cfg = mlp_config(tmp_path, "d", data=data)
@@ -116,3 +125,33 @@ def test_bad_data_is_a_clear_error(tmp_path):
         path.write_text(yaml.safe_dump(cfg))
         bad = _rtp("validate", str(path))
         assert bad.returncode == 2 and needle in bad.stderr, (needle, bad.stderr)
+
+
+def test_make_data_and_tabular_config(tmp_path):
+    """`rtp make-data` writes the Parquet that pipelines/configs/tabular.yaml reads."""
+    out = tmp_path / "tab"
+    made = _rtp("make-data", str(out), "--rows", "3000", "--files", "3")
+    assert made.returncode == 0, made.stderr
+    assert len(list(out.glob("*.parquet"))) == 3
+    ok = _rtp("validate", "pipelines/configs/tabular.yaml", "--set", f"data.path={out}")
+    assert ok.returncode == 0, ok.stderr
+    assert "mlp (classification) on parquet" in ok.stdout
+    train_rows, val_rows = map(int, re.search(r"data: (\d+) training / (\d+) validation",
+                                              ok.stdout).groups())
+    assert train_rows + val_rows == 3000 and 100 < val_rows < 200  # val_fraction 0.05
+    again = _rtp("make-data", str(out))
+    assert again.returncode == 2 and "already holds .parquet files" in again.stderr
+    bad = _rtp("make-data", str(tmp_path / "x"), "--classes", "1")
+    assert bad.returncode == 2 and "--classes = 1" in bad.stderr
+
+
+def test_readme_documents_every_config_key():
+    """The README's config reference names every key the config accepts."""
+    import dataclasses
+
+    from raytrain_platform.config import _SECTIONS
+
+    readme = (ROOT / "README.md").read_text()
+    missing = [f"{section}.{f.name}" for section, cls in _SECTIONS.items()
+               for f in dataclasses.fields(cls) if f"`{section}.{f.name}`" not in readme]
+    assert not missing, f"README config reference lacks {missing}"

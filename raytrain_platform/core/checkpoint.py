@@ -1,12 +1,18 @@
-"""Checkpoints as directories. Nothing here unpickles arbitrary objects:
+"""Checkpoints as directories. Nothing here unpickles arbitrary objects.
+
+Unsharded strategies (none, ddp) hold the full state on every rank; rank 0 writes:
 
 - ``model.safetensors``: the full model state (safetensors: plain tensors, no code),
-- ``optimizer.pt``: ``optimizer.state_dict()``, read back with ``weights_only=True``,
-- ``trainer_state.json``: step, data position, LR schedule state, the step's metrics,
-- ``config.yaml``: the resolved job config.
+- ``optimizer.pt``: the full optimizer state keyed by parameter name (FQN), read back
+  with ``weights_only=True``.
 
-Unsharded strategies (none, ddp) hold the full state on every rank, so rank 0
-alone writes, and the checkpoint loads at any world size.
+Sharded strategies (fsdp) write ``sharded/`` with torch.distributed.checkpoint:
+every rank its own shard, optimizer state included (see core/sharded.py).
+
+Both also hold ``config.yaml`` and ``trainer_state.json`` (step, data position and
+the world size and micro-batch it was counted in, the step's metrics), written last
+as the completeness marker. Either format loads into any strategy at any world size:
+full tensors are sharded on load, shards are read into full tensors.
 """
 
 from __future__ import annotations
@@ -18,16 +24,20 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
+from raytrain_platform.core.sharded import SHARDED_DIR, load_sharded, save_sharded
 from raytrain_platform.errors import CheckpointError
 from raytrain_platform.rundir import CONFIG_FILE, STATE_FILE, write_json
 
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "read_state", "load_model_weights",
-           "WEIGHTS_FILE", "OPTIM_FILE"]
+           "read_weights", "WEIGHTS_FILE", "OPTIM_FILE", "SHARDED_DIR"]
 
 WEIGHTS_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; data layout recorded
+_FULL = StateDictOptions(full_state_dict=True)
 
 
 @dataclass
@@ -40,22 +50,30 @@ class TrainState:
 
 def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim.Optimizer,
                     state: TrainState, lr: float, config_yaml: str, metrics: dict,
-                    is_rank0: bool) -> None:
-    """Write this rank's part of a checkpoint into `directory` (unsharded: rank 0 only)."""
-    if par.sharded:
-        raise NotImplementedError("sharded checkpoints are written by the strategy's own saver")
-    if not is_rank0:
-        return
+                    is_rank0: bool, world_size: int = 1, batch_size: int = 0) -> None:
+    """Write this rank's part of a checkpoint into `directory`. Called on every rank
+    (sharded saves are collective); `world_size` and `batch_size` (per-rank micro-batch)
+    say what unit `state.batches_in_epoch` counts, so a resume can rescale it."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().contiguous().cpu() for k, v in par.base.state_dict().items()}
-    save_file(weights, str(d / WEIGHTS_FILE), metadata={"format": "raytrain_platform", "version": "1"})
-    torch.save(optimizer.state_dict(), d / OPTIM_FILE)
+    if par.sharded:
+        save_sharded(d, module=par.module, optimizer=optimizer)
+    else:
+        # Parameter names, not positions: the same file then loads into an FSDP model.
+        optim_state = get_optimizer_state_dict(par.base, optimizer)
+        if is_rank0:
+            weights = {k: v.detach().contiguous().cpu() for k, v in par.base.state_dict().items()}
+            save_file(weights, str(d / WEIGHTS_FILE),
+                      metadata={"format": "raytrain_platform", "version": str(FORMAT_VERSION)})
+            torch.save(optim_state, d / OPTIM_FILE)
+    if not is_rank0:
+        return
     (d / CONFIG_FILE).write_text(config_yaml)
-    # Written last: its presence marks the checkpoint complete.
+    # Written last (after the collective save, so every shard is on disk): marks it complete.
     write_json(d / STATE_FILE, {"format_version": FORMAT_VERSION, "state": asdict(state),
+                                "layout": {"world_size": world_size, "batch_size": batch_size},
                                 "scheduler": {"step": state.step, "lr": lr},
-                                "metrics": metrics, "sharded": False})
+                                "metrics": metrics, "sharded": bool(par.sharded)})
 
 
 def read_state(directory: str | os.PathLike) -> dict:
@@ -72,6 +90,12 @@ def read_state(directory: str | os.PathLike) -> dict:
 
 def load_model_weights(directory: str | os.PathLike, model: torch.nn.Module) -> None:
     """Load safetensors weights into `model`; a mismatch names the keys."""
+    model.load_state_dict(read_weights(directory, model))
+
+
+def read_weights(directory: str | os.PathLike, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The safetensors weights of `directory`, checked against `model`'s names and
+    (global) shapes; a mismatch names the keys."""
     path = Path(directory) / WEIGHTS_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} (partial checkpoint, or written "
@@ -89,16 +113,24 @@ def load_model_weights(directory: str | os.PathLike, model: torch.nn.Module) -> 
             f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
             f"shape mismatch {wrong[:3]}" if wrong else "") if x)
         raise CheckpointError(f"{path}: checkpoint is for another model ({detail})")
-    model.load_state_dict(weights)
+    return weights
 
 
 def load_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim.Optimizer,
-                    device: torch.device) -> TrainState:
-    """Restore model and optimizer in place; returns the train state to continue from."""
+                    device: torch.device, world_size: int = 1, batch_size: int = 0) -> TrainState:
+    """Restore model and optimizer in place, whatever format the checkpoint has and
+    whatever strategy and world size `par` has; returns the train state to continue
+    from, its data position converted to this world size and micro-batch."""
     data = read_state(directory)
     if data.get("sharded"):
-        raise CheckpointError(f"{directory}: a sharded checkpoint; its strategy must load it")
-    load_model_weights(directory, par.base)
+        load_sharded(directory, module=par.module, optimizer=optimizer)
+    else:
+        _load_unsharded(directory, data, par=par, optimizer=optimizer, device=device)
+    return _map_position(directory, data, world_size=world_size, batch_size=batch_size)
+
+
+def _load_unsharded(directory, data: dict, *, par, optimizer, device) -> None:
+    weights = read_weights(directory, par.base)
     optim_path = Path(directory) / OPTIM_FILE
     if not optim_path.is_file():
         raise CheckpointError(f"{directory}: no {OPTIM_FILE} (partial checkpoint)")
@@ -106,5 +138,35 @@ def load_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
         optim_state = torch.load(optim_path, map_location=device, weights_only=True)
     except Exception as exc:  # refuses pickled code: weights_only allows tensors and plain data
         raise CheckpointError(f"{optim_path}: refused or unreadable ({str(exc).splitlines()[0]})") from None
-    optimizer.load_state_dict(optim_state)
-    return TrainState(**data["state"])
+    if data.get("format_version", 1) < 2:  # optimizer state keyed by position
+        if par.sharded:
+            raise CheckpointError(f"{directory}: format 1 checkpoint; resume it with the "
+                                  "strategy that wrote it (none/ddp)")
+        par.base.load_state_dict(weights)
+        optimizer.load_state_dict(optim_state)
+        return
+    if par.sharded:  # full tensors in, each rank keeps its shard
+        set_model_state_dict(par.module, weights, options=_FULL)
+        set_optimizer_state_dict(par.module, optimizer, optim_state, options=_FULL)
+    else:
+        par.base.load_state_dict(weights)
+        set_optimizer_state_dict(par.base, optimizer, optim_state)
+
+
+def _map_position(directory, data: dict, *, world_size: int, batch_size: int) -> TrainState:
+    """Micro-batch j of an epoch goes to rank j % world: a rank's count times the rows
+    per round is the epoch's global position in rows, which the new layout must divide."""
+    state = TrainState(**data["state"])
+    layout = data.get("layout")
+    same = layout and (layout["world_size"], layout["batch_size"]) == (world_size, batch_size)
+    if not layout or not batch_size or same:
+        return state
+    rows = state.batches_in_epoch * layout["world_size"] * layout["batch_size"]
+    per_round = world_size * batch_size
+    if rows % per_round:
+        raise CheckpointError(
+            f"{directory}: data position {rows} rows into epoch {state.epoch} (written by "
+            f"{layout['world_size']} worker(s) x batch {layout['batch_size']}) is not a whole number of "
+            f"rounds of {world_size} worker(s) x data.batch_size {batch_size} = {per_round} rows")
+    state.batches_in_epoch = rows // per_round
+    return state

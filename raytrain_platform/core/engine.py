@@ -18,6 +18,7 @@ import time
 from typing import Callable, Iterator, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from raytrain_platform.core.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
@@ -53,6 +54,14 @@ def _seed_for(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7919 + rank) % (2**63)
 
 
+def _reseed(seed: int, device: torch.device) -> None:
+    # Not torch.manual_seed: on a CPU-only build it also queues a lazy CUDA seeding that
+    # records a Python stack trace, every step (a fifth of a small model's step time).
+    torch.random.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)  # this worker's device only
+
+
 class Engine:
     def __init__(self, job: ResolvedJob, env: DistEnv, *, run_dir: str | None = None):
         self.job, self.cfg, self.env = job, job.config, env
@@ -64,6 +73,7 @@ class Engine:
         self.par = apply(model, env=env, cfg=self.cfg.parallel)
         self.optimizer = build_optimizer(self.par.module, self.cfg.train)
         self.state = TrainState()
+        self._memory: dict[str, int] | None = None  # measured once, at the first optimizer step
         self.autocast = (torch.autocast(device_type=env.device.type, dtype=torch.bfloat16)
                          if self.cfg.train.precision == "bf16" else contextlib.nullcontext())
         self._config_yaml = self.cfg.to_yaml()
@@ -72,12 +82,14 @@ class Engine:
 
     def restore(self, directory: str) -> None:
         self.state = load_checkpoint(directory, par=self.par, optimizer=self.optimizer,
-                                     device=self.env.device)
+                                     device=self.env.device, world_size=self.env.world_size,
+                                     batch_size=self.cfg.data.batch_size)
 
     def save(self, directory: str, metrics: dict) -> None:
         save_checkpoint(directory, par=self.par, optimizer=self.optimizer, state=self.state,
                         lr=self.optimizer.param_groups[0]["lr"], config_yaml=self._config_yaml,
-                        metrics=metrics, is_rank0=self.env.is_rank0)
+                        metrics=metrics, is_rank0=self.env.is_rank0,
+                        world_size=self.env.world_size, batch_size=self.cfg.data.batch_size)
 
     # ------------------------------------------------------------ steps
 
@@ -104,11 +116,23 @@ class Engine:
             group["lr"] = lr
         grad_norm = 0.0
         if self.cfg.train.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.par.module.parameters(),
-                                                             self.cfg.train.grad_clip))
+            norm = torch.nn.utils.clip_grad_norm_(self.par.module.parameters(), self.cfg.train.grad_clip)
+            grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         self.optimizer.step()
+        if self._memory is None:  # params, grads and optimizer state all exist right now
+            self._memory = self._measure_memory()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def _measure_memory(self) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients and optimizer state: exact, from
+        the local shards (a DTensor counts only its ``to_local()`` part)."""
+        params = list(self.par.module.parameters())
+        optim = [v for st in self.optimizer.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor)]
+        return {"param_bytes": _local_bytes(params),
+                "grad_bytes": _local_bytes(p.grad for p in params if p.grad is not None),
+                "optim_bytes": _local_bytes(optim)}
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> dict[str, float]:
@@ -147,7 +171,7 @@ class Engine:
         while self.state.step < total:
             it = self._epoch_iter(source)
             while self.state.step < total:
-                torch.manual_seed(_seed_for(cfg.train.seed, self.state.step, self.env.rank))
+                _reseed(_seed_for(cfg.train.seed, self.state.step, self.env.rank), self.env.device)
                 loss_sum, data_wait, n_units, got = torch.zeros((), device=self.env.device), 0.0, 0, 0
                 comm_before = self.par.comm.calls
                 for micro in range(accum):
@@ -218,7 +242,18 @@ class Engine:
         }
         if self.task.name == "lm":
             metrics["tokens_per_s"] = float(packed[1]) / elapsed
+        metrics.update(self._memory or {})
+        if self.env.device.type == "cuda":
+            metrics["peak_mem_bytes"] = torch.cuda.max_memory_allocated(self.env.device)
         return metrics
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
 
 
 def run_training(job: ResolvedJob, env: DistEnv, *, source: BatchSource, reporter: Reporter,

@@ -7,9 +7,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,9 +43,12 @@ class TrainResult:
 def prepare(config: Any, overrides: list[str] | None = None) -> ResolvedJob:
     """Load, validate and resolve: everything that can fail before Ray starts."""
     cfg = load_config(config, overrides)
-    storage = cfg.run.storage_path
-    if "://" not in storage:
-        cfg = cfg.replace({"run.storage_path": os.path.abspath(os.path.expanduser(storage))})
+    # Ray workers and Ray Data tasks do not share the driver's working directory:
+    # local paths are made absolute here, URIs are left as they are.
+    local_paths = {"run.storage_path": cfg.run.storage_path, "data.path": cfg.data.path,
+                   "data.val_path": cfg.data.val_path}
+    cfg = cfg.replace({key: os.path.abspath(os.path.expanduser(value))
+                       for key, value in local_paths.items() if value and "://" not in value})
     return resolve_job(cfg)
 
 
@@ -79,7 +80,9 @@ def _init_ray(address: str | None, verbose: bool) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(include_dashboard=False, **kwargs)
+        # "local": always a fresh embedded Ray, never a cluster left behind by `ray start`
+        # (Ray's own default would attach to the last one started on this machine).
+        ray.init(address="local", include_dashboard=False, **kwargs)
 
 
 def _check_cpu_headroom(cfg: JobConfig) -> None:

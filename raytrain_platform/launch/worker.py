@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import warnings
 from typing import Callable
 
 import torch
@@ -17,6 +18,13 @@ from raytrain_platform.resolve import ResolvedJob
 from raytrain_platform.rundir import checkpoint_name
 
 __all__ = ["train_loop_per_worker"]
+
+
+def _as_tensors(batch: dict) -> dict[str, torch.Tensor]:
+    with warnings.catch_warnings():
+        # Arrow-backed arrays are read-only; the engine never writes into a batch.
+        warnings.simplefilter("ignore", UserWarning)
+        return {k: torch.from_numpy(v) for k, v in batch.items()}
 
 
 class RayBatches:
@@ -31,11 +39,15 @@ class RayBatches:
         self.val_it = ray.train.get_dataset_shard("val") if job.data.num_val else None
 
     def _iter(self, it, *, shuffle_seed: int | None):
+        # numpy batches wrapped zero-copy here, not iter_torch_batches: its per-batch
+        # Arrow -> tensor collate runs in Python threads that hold the GIL against the
+        # training step (benchmarks/train_vs_loop.py measures the difference).
         d = self.cfg.data
-        return it.iter_torch_batches(
-            batch_size=d.batch_size, drop_last=True, prefetch_batches=d.prefetch_batches,
-            local_shuffle_buffer_size=d.shuffle_buffer or None,
+        batches = it.iter_batches(
+            batch_size=d.batch_size, batch_format="numpy", drop_last=True,
+            prefetch_batches=d.prefetch_batches, local_shuffle_buffer_size=d.shuffle_buffer or None,
             local_shuffle_seed=shuffle_seed if d.shuffle_buffer else None)
+        return map(_as_tensors, batches)
 
     def train_epoch(self, epoch: int):
         d = self.cfg.data
@@ -60,7 +72,12 @@ class RayReporter:
         import ray.train
 
         if save is None:
-            ray.train.report(metrics)
+            # Each ray.train.report() waits for the controller to take the previous one
+            # (a queue of one, polled) and syncs the ranks: per step it costs more than a
+            # small model's step. Per-step metrics already reach metrics.jsonl (rank 0);
+            # Ray gets the evaluations, the checkpoints and the last step.
+            if "val_loss" in metrics or metrics["step"] >= self.job.total_steps:
+                ray.train.report(metrics)
             return
         with tempfile.TemporaryDirectory(prefix="rtp-ckpt-") as tmp:
             save(tmp)

@@ -4,7 +4,7 @@ the config layer checks names against it; `get_strategy` imports the implementat
 An unknown name lists the known ones:
 
 >>> strategy_names()
-['ddp', 'none']
+['ddp', 'fsdp', 'none']
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ STRATEGIES: dict[str, Strategy] = {
                  description="one process, no gradient communication"),
         Strategy("ddp", "raytrain_platform.parallel.ddp:apply_ddp", 1, None,
                  description="replicated model, gradients all-reduced (DistributedDataParallel)"),
+        Strategy("fsdp", "raytrain_platform.parallel.fsdp:apply_fsdp", 1, None, shards_state=True,
+                 description="parameters, gradients and optimizer state sharded (FSDP2 fully_shard)"),
     )
 }
 

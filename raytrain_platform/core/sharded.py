@@ -1,0 +1,147 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), read without
+unpickling arbitrary objects.
+
+Every rank writes its own shard (``__<rank>_0.distcp``) and rank 0 the index
+(``.metadata``); no rank gathers the whole model. DCP loads into whatever layout
+the target holds: FSDP shards at another world size, or full tensors of a plain
+or DDP model, or a single process with no process group (export).
+
+Safety: torch's `FileSystemReader.read_metadata` calls ``pickle.load`` on
+``.metadata``. `SafeFileSystemReader` reads it with an unpickler that resolves only
+the classes DCP metadata is made of and refuses anything else with `CheckpointError`.
+Tensor payloads are raw bytes; other values (optimizer hyperparameters) are read by
+DCP with ``torch.load(weights_only=True)``.
+
+>>> # dcp.load(state, storage_reader=SafeFileSystemReader("run/checkpoint_000010/model"))
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import pickle
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, metadata as dcp_metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from raytrain_platform.errors import CheckpointError
+
+__all__ = ["SHARDED_DIR", "SafeFileSystemReader", "safe_load_metadata", "save_sharded",
+           "load_sharded", "load_full_model_state"]
+
+SHARDED_DIR = "sharded"  # DCP files live in <checkpoint>/sharded/
+_METADATA_FILE = ".metadata"
+
+# (module, name) pairs DCP metadata pickles reference, beyond the metadata module's own classes.
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks up a torch.layout by its name
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only plain metadata classes; a pickle naming anything else is refused."""
+
+    def find_class(self, module: str, name: str):
+        if module == dcp_metadata.__name__:
+            obj = getattr(dcp_metadata, name, None)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        elif (module, name) in _ALLOWED:
+            if module == "pathlib":
+                return getattr(pathlib, name)
+            return super().find_class(module, name)
+        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which is not "
+                              "allowed in a DCP index (refusing to unpickle it)")
+
+
+def safe_load_metadata(data: bytes, *, source: str = ".metadata") -> Metadata:
+    try:
+        obj = _MetadataUnpickler(io.BytesIO(data)).load()
+    except CheckpointError as exc:
+        raise CheckpointError(f"{source}: {exc}") from None
+    except Exception as exc:  # truncated or corrupt pickles raise many types
+        raise CheckpointError(f"{source}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from None
+    if not isinstance(obj, Metadata):
+        raise CheckpointError(f"{source}: not DCP metadata (found {type(obj).__name__})")
+    return obj
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """`FileSystemReader` whose ``.metadata`` is read by `safe_load_metadata`."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = safe_load_metadata(f.read(), source=str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _reader(directory: str | os.PathLike) -> SafeFileSystemReader:
+    path = Path(directory) / SHARDED_DIR
+    if not (path / _METADATA_FILE).is_file():
+        raise CheckpointError(f"{directory}: no {SHARDED_DIR}/{_METADATA_FILE} (partial sharded checkpoint)")
+    reader = SafeFileSystemReader(str(path))
+    reader.read_metadata()  # refused here with a plain CheckpointError, not wrapped by DCP's load
+    return reader
+
+
+def save_sharded(directory: str | os.PathLike, *, module: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+    """Collective: every rank writes its shard of model and optimizer state (FQN-keyed)."""
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(directory) / SHARDED_DIR))
+
+
+def load_sharded(directory: str | os.PathLike, *, module: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+    """Collective: restore model and optimizer from DCP shards into `module`'s own layout
+    (FSDP shards at any world size, or the full tensors of a plain/DDP model)."""
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(state, storage_reader=_reader(directory))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # DCP wraps rank failures; a missing key means another model
+        raise CheckpointError(f"{directory}: sharded checkpoint does not fit this model/optimizer "
+                              f"({_short(exc)})") from None
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def load_full_model_state(directory: str | os.PathLike, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Consolidate the model weights of a sharded checkpoint into `model`'s full (plain,
+    CPU) state dict, in this one process, without a process group."""
+    state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=_reader(directory), no_dist=not dist.is_initialized())
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{directory}: sharded checkpoint does not fit this model "
+                              f"({_short(exc)})") from None
+    return state["model"]
+
+
+def _short(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else type(exc).__name__

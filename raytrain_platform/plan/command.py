@@ -1,0 +1,240 @@
+"""`rtp plan`: the arguments, their parsing (every bad value is a one-line `ConfigError`
+naming the flag), and the table / JSON output. No torch import.
+
+    rtp plan --model llama2-7b --device-mem 24GB --devices-per-node 8 --global-batch 64 \\
+        --precision bf16 --activation-checkpointing
+    rtp plan --params 7e9 --layers 32 --hidden 4096 --seq-len 4096 --device-mem 80GiB --json
+    rtp plan pipelines/configs/tabular.yaml --device-mem 16GiB
+
+>>> parse_size("--device-mem", "80GiB"), parse_size("--device-mem", "24GB")
+(85899345920, 24000000000)
+>>> parse_count("--params", "6.7B"), parse_count("--params", "125e6")
+(6700000000, 125000000)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from raytrain_platform.errors import ConfigError
+from raytrain_platform.plan.guide import LABELS, Plan, make_plan
+from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, gpt_shape, mlp_shape, preset_shape
+
+__all__ = ["add_plan_arguments", "run_plan", "parse_size", "parse_count", "format_plan", "plan_to_dict"]
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+_NUMBER = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
+_SIZE_HELP = "a size like 80GiB or 24GB (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+
+
+def parse_size(flag: str, text: str) -> int:
+    match = re.fullmatch(_NUMBER + r"\s*([A-Za-z]*)", text.strip())
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(flag, text, _SIZE_HELP + ", > 0")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_count(flag: str, text: str) -> int:
+    match = re.fullmatch(_NUMBER + r"\s*([kKmMbBtT]?)", text.strip())
+    if match is None or float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()] < 1:
+        raise ConfigError(flag, text, "a count >= 1 like 125M, 7B or 6.7e9")
+    return int(float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()])
+
+
+def _int(flag: str, text: str | None, default: int | None = None) -> int | None:
+    if text is None:
+        return default
+    if not re.fullmatch(r"\+?\d+", text.strip()) or int(text) < 1:
+        raise ConfigError(flag, text, "an integer >= 1")
+    return int(text)
+
+
+def _one_line_error(message: str) -> None:
+    # argparse's own errors (a flag without its value, an unknown flag) as one line too.
+    print(f"error: {message} (see rtp plan --help)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.error = _one_line_error  # type: ignore[method-assign]
+    p.add_argument("config", nargs="?", help="a job's YAML config (model, batch, precision from it)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--model", help=f"gpt, mlp, or a preset: {', '.join(PRESETS)}")
+    for flag, what in (("--params", "parameter count (7B, 125M, 6.7e9)"), ("--layers", "blocks"),
+                       ("--hidden", "hidden size"), ("--heads", "attention heads"),
+                       ("--seq-len", "sequence length in tokens"), ("--vocab", "vocabulary size")):
+        p.add_argument(flag, help=what)
+    p.add_argument("--device-mem", help="memory per device: " + _SIZE_HELP)
+    p.add_argument("--devices-per-node", help="devices per node (default 1, or the config's workers)")
+    p.add_argument("--nodes", help="nodes (default 1)")
+    p.add_argument("--global-batch", help="samples per optimizer step over all devices")
+    p.add_argument("--precision", help="fp32 | bf16 (autocast)")
+    p.add_argument("--optimizer", help="adamw | sgd")
+    p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.add_argument("--headroom", default="0.1", help="fraction of device memory kept free")
+    p.add_argument("--tp", help="pin the tensor-parallel degree (within a node)")
+    p.add_argument("--pp", help="pin the pipeline-parallel degree")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _check_heads(hidden: int, heads: int | None) -> None:
+    if heads is not None and hidden % heads:
+        raise ConfigError("--heads", heads, f"a divisor of --hidden ({hidden})")
+
+
+def _shape_from_flags(args: argparse.Namespace) -> ModelShape:
+    layers, hidden = _int("--layers", args.layers), _int("--hidden", args.hidden)
+    heads, seq_len = _int("--heads", args.heads), _int("--seq-len", args.seq_len)
+    if args.params is not None:
+        for flag, value in (("--layers", layers), ("--hidden", hidden), ("--seq-len", seq_len)):
+            if value is None:
+                raise ConfigError(flag, None, "an integer >= 1 (needed with --params)")
+        _check_heads(hidden, heads)
+        return generic_shape(num_params=parse_count("--params", args.params), n_layer=layers,
+                             hidden=hidden, seq_len=seq_len, n_head=heads,
+                             vocab=_int("--vocab", args.vocab, 50257))
+    if args.model in ("gpt", "mlp"):
+        from raytrain_platform.models.specs import GPTSpec, MLPSpec, resolve_model_kwargs
+
+        if args.model == "gpt":
+            kw = {k: v for k, v in (("n_layer", layers), ("n_embd", hidden), ("n_head", heads),
+                                    ("block_size", seq_len)) if v is not None}
+            if hidden is not None:
+                _check_heads(hidden, heads if heads is not None else GPTSpec.n_head)
+            return gpt_shape(GPTSpec(**resolve_model_kwargs("gpt", kw)))
+        # mlp: --layers hidden layers of --hidden units; 16 features, 4 classes (synthetic defaults)
+        kw = {"hidden_sizes": [hidden or 64] * (layers or 2), "input_dim": 16, "num_outputs": 4}
+        return mlp_shape(MLPSpec(**resolve_model_kwargs("mlp", kw)))
+    if args.model is not None:
+        extra = [f for f, v in (("--layers", layers), ("--hidden", hidden), ("--heads", heads),
+                                ("--seq-len", seq_len)) if v is not None]
+        if extra and args.model in PRESETS:
+            raise ConfigError(extra[0], getattr(args, extra[0][2:].replace("-", "_")),
+                              f"not set with the preset {args.model!r} (its sizes are fixed)")
+        return preset_shape(args.model)
+    raise ConfigError("--model", None, "a CONFIG, --model NAME (gpt, mlp, "
+                      f"{', '.join(PRESETS)}), or --params with --layers/--hidden/--seq-len")
+
+
+def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
+    """The model and the defaults (batch, precision, optimizer, workers) from a job config."""
+    from raytrain_platform.config import load_config
+    from raytrain_platform.models.specs import GPTSpec, MLPSpec
+
+    if args.model or args.params:
+        raise ConfigError("--model" if args.model else "--params", args.model or args.params,
+                          "not set with a CONFIG (change the model with --set model.kwargs.KEY=VALUE)")
+    cfg = load_config(args.config, args.overrides)
+    if cfg.model.name == "gpt":
+        shape = gpt_shape(GPTSpec(**cfg.model.kwargs))
+    elif cfg.model.name == "mlp":
+        kw = dict(cfg.model.kwargs)
+        if kw["input_dim"] is None or kw["num_outputs"] is None:
+            from raytrain_platform.resolve import resolve_job  # the data decides them
+
+            kw = dict(resolve_job(cfg).config.model.kwargs)
+        shape = mlp_shape(MLPSpec(**kw))
+    else:
+        raise ConfigError("model.name", cfg.model.name, "a built-in model (gpt, mlp) for rtp plan; "
+                          "for another model use --params/--layers/--hidden/--seq-len")
+    t, s = cfg.train, cfg.scaling
+    defaults = {"global_batch": cfg.data.batch_size * t.grad_accum_steps * s.num_workers,
+                "precision": t.precision, "optimizer": t.optimizer, "devices_per_node": s.num_workers,
+                "activation_checkpointing": cfg.parallel.activation_checkpointing}
+    return shape, defaults
+
+
+def _request(args: argparse.Namespace) -> dict[str, Any]:
+    if args.config:
+        shape, defaults = _from_config(args)
+    else:
+        shape, defaults = _shape_from_flags(args), {}
+    if args.device_mem is None:
+        raise ConfigError("--device-mem", None, _SIZE_HELP)
+    try:
+        headroom = float(args.headroom)
+    except ValueError:
+        raise ConfigError("--headroom", args.headroom, "a fraction in [0, 1)") from None
+    for flag, value in (("--precision", args.precision), ("--optimizer", args.optimizer)):
+        allowed = ("fp32", "bf16") if flag == "--precision" else ("adamw", "sgd")
+        if value is not None and value not in allowed:
+            raise ConfigError(flag, value, f"one of {list(allowed)}")
+    global_batch = _int("--global-batch", args.global_batch, defaults.get("global_batch"))
+    if global_batch is None:
+        raise ConfigError("--global-batch", None, "an integer >= 1 (samples per optimizer step)")
+    ckpt = args.activation_checkpointing or defaults.get("activation_checkpointing", False)
+    if ckpt and shape.family != "transformer":
+        raise ConfigError("--activation-checkpointing", True, "off for an mlp (it checkpoints transformer blocks)")
+    return dict(model=shape, device_memory=parse_size("--device-mem", args.device_mem),
+                devices_per_node=_int("--devices-per-node", args.devices_per_node,
+                                      defaults.get("devices_per_node", 1)),
+                nodes=_int("--nodes", args.nodes, 1), global_batch=global_batch,
+                precision=args.precision or defaults.get("precision", "fp32"),
+                optimizer=args.optimizer or defaults.get("optimizer", "adamw"),
+                activation_checkpointing=ckpt, headroom=headroom,
+                tp=_int("--tp", args.tp), pp=_int("--pp", args.pp))
+
+
+def _fmt(n: int) -> str:
+    for unit, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    req = plan.request
+    return {"model": req.model.to_dict(),
+            "request": {k: getattr(req, k) for k in ("device_memory", "devices_per_node", "nodes",
+                                                     "global_batch", "precision", "optimizer",
+                                                     "activation_checkpointing", "headroom", "tp", "pp")}
+            | {"devices": req.devices, "budget": req.budget},
+            "options": [o.to_dict() for o in plan.options],
+            "recommended": plan.recommended.strategy if plan.recommended else None,
+            "reasons": list(plan.reasons), "warnings": list(plan.warnings)}
+
+
+def format_plan(plan: Plan) -> str:
+    req, m = plan.request, plan.request.model
+    lines = [f"model {m.name}: {m.num_params:,} parameters ({'exact' if m.exact else 'derived'}), "
+             f"{m.n_layer} layers" + (f", hidden {m.hidden}, {m.n_head} heads, seq {m.seq_len}"
+                                       if m.family == "transformer" else ""),
+             f"devices: {req.nodes} node(s) x {req.devices_per_node} of {_fmt(req.device_memory)} "
+             f"(usable {_fmt(req.budget)}); global batch {req.global_batch}; {req.precision}, "
+             f"{req.optimizer}, activation checkpointing {'on' if req.activation_checkpointing else 'off'}",
+             "memory per device (K/M/G/T = KiB/MiB/GiB/TiB):", ""]
+    head = ("strategy", "dev", "dp", "tp", "pp", "shard", "micro x n", "params", "grads", "optim",
+            "activ", "other", "total", "fits")
+    rows = [head]
+    for o in plan.options:
+        if not o.applicable or o.layout is None or o.estimate is None:
+            rows.append((LABELS[o.strategy], "-", "", "", "", "", "", "", "", "", "", "", "", f"n/a: {o.note}"))
+            continue
+        lay, est = o.layout, o.estimate
+        rows.append((LABELS[o.strategy], str(lay.devices), str(lay.dp), str(lay.tp), str(lay.pp),
+                     str(lay.shard), f"{lay.micro_batch} x {lay.micro_batches}", _fmt(est.params),
+                     _fmt(est.grads), _fmt(est.optimizer), _fmt(est.activations), _fmt(est.overhead),
+                     _fmt(est.total), "yes" if o.fits else "no"))
+    widths = [max(len(r[i]) for r in rows if r[1] != "-" or i < 2) for i in range(len(head))]
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:-1], widths[1:-1])] + [r[-1]]
+        lines.append("  ".join(cells).rstrip() if r[1] != "-" else f"{r[0].ljust(widths[0])}  {r[-1]}")
+    rec = plan.recommended
+    lines += ["", f"recommended: {LABELS[rec.strategy] if rec else 'nothing fits'}"]
+    lines += [f"  - {reason}" for reason in plan.reasons]
+    lines += ([""] + ["warnings:"] + [f"  - {w}" for w in plan.warnings] if plan.warnings else [])
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """The `rtp plan` command: raises `ConfigError` on bad input (the CLI prints one line)."""
+    plan = make_plan(**_request(args))
+    print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_plan(plan))
+    return 0

@@ -1,0 +1,264 @@
+"""`rtp plan`: the memory model against real tensors, the decision guide row by row,
+and the command end to end. No Ray; torchrun (gloo) for DDP and FSDP."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from raytrain_platform.errors import ConfigError
+from raytrain_platform.models.specs import GPTSpec, MLPSpec
+from raytrain_platform.plan import Layout, estimate_memory, generic_shape, gpt_shape, make_plan, mlp_shape, preset_shape
+from raytrain_platform.plan.measure import measure
+
+GB, GIB = 10**9, 2**30
+STATE = ("params", "grads", "optimizer")
+GPT_SMALL = {"n_layer": 3, "n_embd": 96, "n_head": 4, "block_size": 48}
+
+
+def _within(measured: dict, estimated: dict, keys=STATE, tol=0.10):
+    for key in keys:
+        m, e = measured[key], estimated[key]
+        assert m > 0 and abs(e - m) <= tol * m, (key, m, e)
+
+
+# --- model shapes: exact counts against the real modules -----------------------------
+
+@pytest.mark.parametrize("kwargs", [{}, GPT_SMALL, {**GPT_SMALL, "bias": False}])
+def test_gpt_shape_counts_match_the_real_module(kwargs):
+    from raytrain_platform.models.gpt import GPT
+
+    spec = GPTSpec(**kwargs)
+    model, shape = GPT(spec), gpt_shape(spec)
+    params = list(model.parameters())
+    assert shape.num_params == sum(p.numel() for p in params) == spec.num_params()
+    assert shape.num_tensors == len(params)
+    assert shape.layer_params == sum(p.numel() for p in model.blocks["0"].parameters())
+    assert shape.first_params == model.wte.weight.numel() + model.wpe.weight.numel()
+
+
+def test_mlp_shape_counts_match_the_real_module():
+    from raytrain_platform.models.mlp import MLP
+
+    spec = MLPSpec(input_dim=11, hidden_sizes=[32, 17], num_outputs=5)
+    params = list(MLP(spec).parameters())
+    assert mlp_shape(spec).num_params == sum(p.numel() for p in params)
+    assert mlp_shape(spec).num_tensors == len(params)
+
+
+def test_presets_have_their_published_sizes():
+    assert preset_shape("gpt2").num_params == 124_439_808
+    assert preset_shape("llama2-7b").num_params == 6_738_415_616
+
+
+# --- the memory model against real tensors ---------------------------------------------
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_state_estimate_within_10pct_of_real_tensors_single_process(model, optimizer):
+    kwargs = GPT_SMALL if model == "gpt" else {"input_dim": 16, "num_outputs": 4, "hidden_sizes": [64, 32]}
+    r = measure(model_name=model, strategy="none", optimizer=optimizer, kwargs=kwargs)
+    print(model, optimizer, "measured", r["measured"], "estimated", {k: r["estimated"][k] for k in STATE})
+    _within(r["measured"], r["estimated"])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activation_estimate_within_10pct_of_saved_tensors(precision):
+    r = measure(model_name="gpt", strategy="none", precision=precision, micro_batch=3, kwargs=GPT_SMALL)
+    print(precision, "saved", r["measured"]["activations"], "estimated", r["estimated_saved"])
+    _within(r["measured"], {"activations": r["estimated_saved"]}, keys=("activations",))
+
+
+@pytest.fixture(scope="module")
+def distributed_runs() -> dict:
+    """One real 2-process gloo group (torchrun): gpt and mlp under DDP and FSDP."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", "29731",
+           "-m", "raytrain_platform.plan.measure", "--model", "gpt", "mlp",
+           "--strategy", "ddp", "fsdp", "--kwargs", json.dumps(GPT_SMALL)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {(r["strategy"], r["model"]): r for r in rows}
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_state_estimate_within_10pct_under_ddp(distributed_runs, model):
+    r = distributed_runs[("ddp", model)]
+    assert r["world_size"] == 2 and r["estimated"]["overhead_parts"]["ddp_gradient_buckets"] > 0
+    print(model, "ddp measured", r["measured"], "estimated", {k: r["estimated"][k] for k in STATE})
+    _within(r["measured"], r["estimated"])
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_state_estimate_within_10pct_under_fsdp(distributed_runs, model):
+    r = distributed_runs[("fsdp", model)]
+    assert r["measured"]["params"] < 0.6 * 4 * r["num_params"]  # really sharded over 2 ranks
+    print(model, "fsdp measured", r["measured"], "estimated", {k: r["estimated"][k] for k in STATE})
+    _within(r["measured"], r["estimated"])
+
+
+def test_sharding_degrees_divide_the_state():
+    m = preset_shape("llama2-7b")
+    one = estimate_memory(model=m, layout=Layout())
+    fsdp = estimate_memory(model=m, layout=Layout(dp=8, shard=8))
+    tp = estimate_memory(model=m, layout=Layout(tp=4))
+    pp = estimate_memory(model=m, layout=Layout(pp=4, micro_batches=8))
+    assert abs(fsdp.params * 8 - one.params) <= 32
+    blocks_tp = 4 * m.n_layer * m.tp_layer_params
+    assert tp.params == one.params - blocks_tp + blocks_tp // 4  # norms and embeddings replicated
+    assert pp.params == 4 * (8 * m.layer_params + m.last_params)  # 8 of 32 blocks + norm and head
+    ckpt = estimate_memory(model=m, layout=Layout(micro_batch=4), activation_checkpointing=True)
+    full = estimate_memory(model=m, layout=Layout(micro_batch=4))
+    bf16 = estimate_memory(model=m, layout=Layout(micro_batch=4), precision="bf16")
+    assert ckpt.activations < full.activations / 5 and bf16.activations < full.activations
+
+
+# --- the decision guide, one row of the tutorial's table per case ------------------------
+
+def test_fits_one_device_and_slow_gives_ddp():
+    plan = make_plan(model=preset_shape("gpt2"), device_memory=80 * GB, devices_per_node=8,
+                     global_batch=64, precision="bf16")
+    assert plan.recommended.strategy == "ddp" and plan.option("none").fits
+    assert plan.recommended.layout.dp == 8 and plan.recommended.layout.micro_batch == 8
+    alone = make_plan(model=preset_shape("gpt2"), device_memory=80 * GB, global_batch=64)
+    assert alone.recommended.strategy == "none"
+
+
+def test_batch_too_big_gives_accumulation():
+    plan = make_plan(model=preset_shape("gpt2"), device_memory=24 * GB, global_batch=512, precision="bf16")
+    rec = plan.recommended
+    assert rec.strategy == "accum" and not plan.option("none").fits
+    assert rec.layout.micro_batch * rec.layout.micro_batches == 512 and rec.layout.micro_batches > 1
+    multi = make_plan(model=preset_shape("gpt2"), device_memory=24 * GB, devices_per_node=4,
+                      global_batch=512, precision="bf16")
+    assert multi.recommended.strategy == "ddp" and multi.recommended.grad_accum_steps > 1
+    assert "accumulation" in " ".join(multi.reasons)
+
+
+def test_7b_on_8x24gb_gives_fsdp_or_tp_within_the_node():
+    plan = make_plan(model=preset_shape("llama2-7b"), device_memory=24 * GB, devices_per_node=8,
+                     global_batch=64, precision="bf16", activation_checkpointing=True)
+    assert not plan.option("accum").fits and plan.recommended.strategy in ("fsdp", "tp_fsdp")
+    assert all(o.layout is None or o.layout.tp <= 8 for o in plan.options)
+
+
+def test_big_model_on_8_gpus_gives_tp_in_node_times_fsdp_when_fsdp_alone_does_not_fit():
+    plan = make_plan(model=preset_shape("llama2-7b"), device_memory=40 * GB, devices_per_node=8,
+                     global_batch=64, precision="bf16")
+    assert not plan.option("fsdp").fits
+    rec = plan.recommended
+    assert rec.strategy == "tp_fsdp" and rec.layout.tp in (2, 4, 8) and rec.layout.shard > 1
+
+
+def test_multi_node_large_model_gives_pipeline_across_nodes_times_dp():
+    big = generic_shape(num_params=70 * 10**9, n_layer=80, hidden=8192, seq_len=4096, n_head=64)
+    plan = make_plan(model=big, device_memory=80 * GB, devices_per_node=8, nodes=16,
+                     global_batch=256, precision="bf16", activation_checkpointing=True)
+    rec = plan.recommended
+    assert rec.strategy == "pp_dp" and rec.layout.pp > 1 and rec.layout.dp > 1
+    assert plan.option("fsdp").layout.shard == 8  # sharded within a node on several nodes
+    assert any("across nodes" in r for r in plan.reasons)
+
+
+def test_nothing_fits_says_so_and_suggests_checkpointing():
+    plan = make_plan(model=preset_shape("llama2-7b"), device_memory=24 * GB, devices_per_node=8,
+                     global_batch=64, precision="bf16")
+    assert plan.recommended is None and not any(o.fits for o in plan.options)
+    assert any("activation checkpointing" in w for w in plan.warnings)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"tp": 16}, "--tp"), ({"tp": 3}, "--tp"), ({"pp": 5}, "--pp"), ({"global_batch": 0}, "--global-batch"),
+    ({"nodes": 0}, "--nodes"), ({"device_memory": 0}, "--device-mem"), ({"headroom": 1.0}, "--headroom"),
+    ({"precision": "fp16"}, "--precision"), ({"optimizer": "lion"}, "--optimizer"),
+])
+def test_make_plan_rejects_bad_input_naming_the_field(kwargs, field):
+    base = dict(model=preset_shape("llama2-7b"), device_memory=80 * GB, devices_per_node=8, global_batch=8)
+    with pytest.raises(ConfigError) as err:
+        make_plan(**{**base, **kwargs})
+    assert err.value.field == field
+
+
+# --- the command -------------------------------------------------------------------------
+
+def _rtp(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "raytrain_platform", "plan", *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+def test_cli_table_and_json():
+    proc = _rtp("--model", "gpt2", "--device-mem", "80GiB", "--devices-per-node", "8",
+                "--global-batch", "64", "--precision", "bf16")
+    assert proc.returncode == 0, proc.stderr
+    assert "recommended: DDP" in proc.stdout and "FSDP" in proc.stdout and "PP x DP" in proc.stdout
+    proc = _rtp("--params", "7B", "--layers", "32", "--hidden", "4096", "--seq-len", "4096",
+                "--device-mem", "24GB", "--devices-per-node", "8", "--global-batch", "64",
+                "--precision", "bf16", "--activation-checkpointing", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["recommended"] in ("fsdp", "tp_fsdp") and out["reasons"]
+    assert out["model"]["num_params"] == 7 * 10**9 and out["request"]["devices"] == 8
+    names = [o["strategy"] for o in out["options"]]
+    assert names == ["none", "accum", "ddp", "fsdp", "tp", "pp", "tp_fsdp", "pp_dp"]
+    mem = out["options"][0]["memory"]
+    assert mem["total"] == sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "overhead"))
+
+
+def test_cli_reads_a_job_config(tmp_path):
+    cfg = {"model": {"name": "gpt", "kwargs": GPT_SMALL}, "data": {"source": "text", "batch_size": 8},
+           "train": {"max_steps": 5, "grad_accum_steps": 2, "precision": "bf16"},
+           "scaling": {"num_workers": 2}, "parallel": {"strategy": "ddp"}, "run": {"name": "p"}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = _rtp(str(path), "--device-mem", "1GiB", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["request"]["global_batch"] == 32 and out["request"]["precision"] == "bf16"
+    assert out["model"]["num_params"] == GPTSpec(**GPT_SMALL).num_params()
+    assert out["recommended"] == "ddp"
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--model", "gpt9"], "--model"),
+    (["--model", "gpt2", "--device-mem", "80XB"], "--device-mem"),
+    (["--model", "gpt2", "--device-mem=-5GB"], "--device-mem"),
+    (["--model", "gpt2"], "--device-mem"),
+    (["--params", "7B", "--layers", "32", "--hidden", "4096", "--heads", "30", "--seq-len", "2048"], "--heads"),
+    (["--params", "0", "--layers", "2", "--hidden", "64", "--seq-len", "8"], "--params"),
+    (["--params", "7B", "--hidden", "4096", "--seq-len", "2048"], "--layers"),
+    (["--model", "gpt", "--layers", "0"], "--layers"),
+    (["--model", "gpt", "--hidden", "100", "--heads", "3"], "--heads"),
+    (["--model", "llama2-7b", "--devices-per-node", "8", "--tp", "16"], "--tp"),
+    (["--model", "gpt2", "--nodes", "two"], "--nodes"),
+    (["--model", "gpt2", "--global-batch", "-1"], "--global-batch"),
+    (["--model", "mlp", "--activation-checkpointing"], "--activation-checkpointing"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(args, flag):
+    full = [*args] + ([] if any(a.startswith("--device-mem") for a in args) or args == ["--model", "gpt2"]
+                      else ["--device-mem", "80GiB"])
+    if "--global-batch" not in full:
+        full += ["--global-batch", "8"]
+    proc = _rtp(*full)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag} = "), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_argparse_errors_are_one_line_too():
+    proc = _rtp("--model", "gpt2", "--device-mem", "-5GB", "--global-batch", "8")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: argument --device-mem: expected one argument (see rtp plan --help)"]
+
+
+def test_cli_import_does_not_load_torch():
+    code = ("import sys, raytrain_platform.cli as c; c.build_parser(); import raytrain_platform.plan; "
+            "print('torch' in sys.modules, 'ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.split() == ["False", "False"]
