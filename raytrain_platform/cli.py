@@ -113,8 +113,9 @@ def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> i
         if cause is not None:
             print(f"error: {cause}", file=sys.stderr)
             return 2
-        print(f"error: run failed: {type(exc).__name__}: {_first_line(exc)} "
-              "(rerun with --verbose for Ray's logs)", file=sys.stderr)
+        hint = " (rerun with --verbose for Ray's logs)" if hasattr(args, "verbose") else ""
+        print(f"error: {args.command} failed: {type(exc).__name__}: {_first_line(exc)}{hint}",
+              file=sys.stderr)
         return 1
 
 

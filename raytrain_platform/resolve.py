@@ -14,7 +14,7 @@ from raytrain_platform.config import JobConfig
 from raytrain_platform.data.sources import DataInfo, SourceSpec, describe
 from raytrain_platform.errors import ConfigError, DataError
 
-__all__ = ["ResolvedJob", "resolve_job"]
+__all__ = ["ResolvedJob", "resolve_job", "val_rounds"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,12 @@ class ResolvedJob:
     data: DataInfo
     steps_per_epoch: int  # optimizer steps in one pass over the training split
     total_steps: int  # what the LR schedule spans
+
+    @property
+    def rows_per_step(self) -> int:
+        """Samples in one optimizer step over all ranks (the global batch)."""
+        c = self.config
+        return c.scaling.num_workers * c.data.batch_size * c.train.grad_accum_steps
 
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "data": dataclasses.asdict(self.data),
@@ -34,6 +40,13 @@ class ResolvedJob:
         data["feature_columns"] = tuple(data.get("feature_columns", ()))
         return cls(config=JobConfig.from_dict(d["config"]), data=DataInfo(**data),
                    steps_per_epoch=d["steps_per_epoch"], total_steps=d["total_steps"])
+
+
+def val_rounds(job: ResolvedJob) -> int:
+    """Whole rounds of one validation micro-batch per rank: every rank evaluates the
+    same number of batches (resolve_job guarantees at least one round)."""
+    cfg = job.config
+    return job.data.num_val // (cfg.data.batch_size * cfg.scaling.num_workers)
 
 
 def _fill_mlp(cfg: JobConfig, info: DataInfo) -> JobConfig:

@@ -98,3 +98,51 @@ def test_truncated_metadata_is_a_checkpoint_error(tmp_path):
     ckpt = _sharded_checkpoint(tmp_path, pickle.dumps({"a": 1})[:5])
     with pytest.raises(CheckpointError, match="unreadable DCP metadata"):
         SafeFileSystemReader(str(ckpt / "sharded")).read_metadata()
+
+
+def _linear_checkpoint(tmp_path, state: dict):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "c" / "sharded"), no_dist=True)
+    return tmp_path / "c"
+
+
+def test_a_bytes_entry_that_would_run_code_is_refused(tmp_path):
+    """DCP's own planner reads entries its index calls bytes with
+    torch.load(weights_only=False): a weight saved as a pickled object runs code."""
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "pwned"
+    ckpt = _linear_checkpoint(tmp_path, {"weight": _TouchMarker(str(marker)),
+                                         "bias": torch.zeros(3)})
+    victim = {"model": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}
+    dcp.load(victim, checkpoint_id=str(ckpt / "sharded"), no_dist=True)  # torch's own path
+    assert marker.exists(), "the payload is live under DCP's default planner"
+    marker.unlink()
+
+    with pytest.raises(CheckpointError, match="'model.weight' refused"):
+        load_full_model_state(ckpt, torch.nn.Linear(4, 3))
+    assert not marker.exists()
+
+
+def test_plain_data_where_a_weight_belongs_is_refused(tmp_path):
+    ckpt = _linear_checkpoint(tmp_path, {"weight": 7, "bias": torch.zeros(3)})
+    with pytest.raises(CheckpointError, match="are not tensors"):
+        load_full_model_state(ckpt, torch.nn.Linear(4, 3))
+
+
+def test_index_naming_other_files_or_missing_shards_is_refused(tmp_path):
+    ckpt = _linear_checkpoint(tmp_path, torch.nn.Linear(4, 3).state_dict())
+    meta_path = ckpt / "sharded" / ".metadata"
+    original = meta_path.read_bytes()
+    meta = pickle.loads(original)  # our own file, written just above
+    for info in meta.storage_data.values():
+        info.relative_path = "../../outside.distcp"
+    meta_path.write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointError, match="only this checkpoint's own"):
+        load_full_model_state(ckpt, torch.nn.Linear(4, 3))
+    meta_path.write_bytes(original)
+    for shard in (ckpt / "sharded").glob("*.distcp"):
+        shard.unlink()
+    with pytest.raises(CheckpointError, match="is missing"):
+        load_full_model_state(ckpt, torch.nn.Linear(4, 3))

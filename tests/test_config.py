@@ -143,6 +143,11 @@ def test_make_data_and_tabular_config(tmp_path):
     assert again.returncode == 2 and "already holds .parquet files" in again.stderr
     bad = _rtp("make-data", str(tmp_path / "x"), "--classes", "1")
     assert bad.returncode == 2 and "--classes = 1" in bad.stderr
+    uneven = _rtp("make-data", str(tmp_path / "nine"), "--rows", "9", "--files", "4")
+    assert uneven.returncode == 0 and len(list((tmp_path / "nine").glob("*.parquet"))) == 4
+    (tmp_path / "afile").write_text("x")
+    clash = _rtp("make-data", str(tmp_path / "afile"))
+    assert clash.returncode == 2 and "a file of that name exists" in clash.stderr
 
 
 def test_readme_documents_every_config_key():

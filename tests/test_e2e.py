@@ -96,6 +96,9 @@ def test_killed_run_resumes_when_rerun(tmp_path):
         _stop_group(first)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] < 40, "the run finished before it was killed: nothing was tested"
+    # Steps up to the checkpoint, timings included: a resume keeps these lines as they
+    # are, a restart from step 0 would rewrite them with other timings.
+    before_ckpt = [r for r in rows if r["step"] <= 10]
 
     second = _rtp_train(config, tmp_path / "second.log")
     try:
@@ -113,6 +116,8 @@ def test_killed_run_resumes_when_rerun(tmp_path):
     def losses(d):
         return [(m["step"], m["loss"]) for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
 
+    after = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in after if r["step"] <= 10] == before_ckpt
     resumed, uninterrupted = losses(run_dir), losses(tmp_path / "whole" / "job")
     assert [s for s, _ in resumed] == [s for s, _ in uninterrupted] == list(range(1, 41))
     for (step, got), (_, want) in zip(resumed, uninterrupted):

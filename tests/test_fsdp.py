@@ -170,10 +170,10 @@ def test_resume_refuses_a_position_that_does_not_map(tmp_path, base_runs):
 
     data = read_state(base_runs["fsdp"][0] / "checkpoint_000005")
     assert data["layout"] == {"world_size": 2, "batch_size": 8}
-    assert _map_position("c", data, world_size=1, batch_size=16) == TrainState(
+    assert _map_position("c", data, world_size=1, batch_size=16, epoch_rows=1920) == TrainState(
         step=5, epoch=0, batches_in_epoch=5, samples_seen=80)
     with pytest.raises(CheckpointError, match="not a whole number of rounds"):
-        _map_position("c", data, world_size=1, batch_size=48)
+        _map_position("c", data, world_size=1, batch_size=48, epoch_rows=1920)
 
 
 @pytest.mark.timeout(90)
@@ -257,3 +257,40 @@ def test_fsdp_under_ray_train_matches_torchrun(ray_cluster, tmp_path, base_runs)
     assert {m["grad_allreduces"] for m in result.metrics} == {N_LAYER + 1}
     sharded = result.checkpoint / "sharded"
     assert sorted(p.name for p in sharded.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_evaluation_with_an_odd_number_of_validation_batches(tmp_path):
+    """Every rank evaluates the same number of batches: with an odd count of validation
+    micro-batches and eval_batches larger than what exists, FSDP's collectives in the
+    evaluation forward would otherwise wait forever on the rank with one batch fewer."""
+    from raytrain_platform.launch.trainer import prepare
+
+    for fraction in (0.05, 0.06, 0.07, 0.08, 0.09):
+        job = prepare(gpt_config(tmp_path, "probe", data={"val_fraction": fraction},
+                                 parallel={"strategy": "fsdp"}, scaling={"num_workers": 2}))
+        if (job.data.num_val // 8) % 2 == 1:
+            break
+    else:
+        pytest.fail("no val_fraction gave an odd number of validation batches")
+    rows = torchrun(tmp_path, "fsdp_val", 2, data={"val_fraction": fraction},
+                    parallel={"strategy": "fsdp"}, run={"eval_batches": 50})
+    assert [r["step"] for r in rows] == list(range(1, 11)) and "val_loss" in rows[-1]
+
+
+def test_data_position_mapping_between_layouts():
+    """Rows into the epoch = batches x world x batch; the next epoch once the new
+    layout's whole epoch is consumed; a position between rounds is refused."""
+    from raytrain_platform.core.checkpoint import _map_position
+    from raytrain_platform.errors import CheckpointError
+
+    def state(batches):
+        return {"state": {"step": batches, "epoch": 0, "batches_in_epoch": batches, "samples_seen": 0},
+                "layout": {"world_size": 2, "batch_size": 8}}
+
+    mid = _map_position("c", state(2), world_size=1, batch_size=16, epoch_rows=96)
+    assert (mid.epoch, mid.batches_in_epoch) == (0, 2)  # 32 rows = 2 rounds of 16
+    end = _map_position("c", state(6), world_size=2, batch_size=32, epoch_rows=64)
+    assert (end.epoch, end.batches_in_epoch) == (1, 0)  # 96 rows >= the new epoch's 64
+    with pytest.raises(CheckpointError, match="not a whole number of rounds"):
+        _map_position("c", state(2), world_size=3, batch_size=8, epoch_rows=96)

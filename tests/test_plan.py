@@ -262,3 +262,21 @@ def test_cli_import_does_not_load_torch():
             "print('torch' in sys.modules, 'ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_never_recommends_an_option_that_does_not_fit():
+    """A model whose replica fits but not beside DDP's gradient buckets: not DDP."""
+    from raytrain_platform.plan.guide import make_plan
+    from raytrain_platform.plan.shapes import preset_shape
+
+    plan = make_plan(model=preset_shape("gpt2"), device_memory=3 * 2**30, devices_per_node=8,
+                     global_batch=8)
+    rec = plan.recommended
+    assert rec is not None and rec.fits, rec
+    by_name = {o.strategy: o for o in plan.options}
+    assert not by_name["ddp"].fits and rec.strategy != "ddp"
+    for mem in (2, 3, 4, 6, 8, 16, 40, 80):
+        for devices in (1, 2, 8):
+            plan = make_plan(model=preset_shape("gpt2"), device_memory=mem * 2**30,
+                             devices_per_node=devices, global_batch=64)
+            assert plan.recommended is None or plan.recommended.fits, (mem, devices)

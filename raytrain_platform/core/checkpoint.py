@@ -117,7 +117,8 @@ def read_weights(directory: str | os.PathLike, model: torch.nn.Module) -> dict[s
 
 
 def load_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim.Optimizer,
-                    device: torch.device, world_size: int = 1, batch_size: int = 0) -> TrainState:
+                    device: torch.device, world_size: int = 1, batch_size: int = 0,
+                    epoch_rows: int = 0) -> TrainState:
     """Restore model and optimizer in place, whatever format the checkpoint has and
     whatever strategy and world size `par` has; returns the train state to continue
     from, its data position converted to this world size and micro-batch."""
@@ -126,7 +127,8 @@ def load_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
         load_sharded(directory, module=par.module, optimizer=optimizer)
     else:
         _load_unsharded(directory, data, par=par, optimizer=optimizer, device=device)
-    return _map_position(directory, data, world_size=world_size, batch_size=batch_size)
+    return _map_position(directory, data, world_size=world_size, batch_size=batch_size,
+                         epoch_rows=epoch_rows)
 
 
 def _load_unsharded(directory, data: dict, *, par, optimizer, device) -> None:
@@ -153,15 +155,23 @@ def _load_unsharded(directory, data: dict, *, par, optimizer, device) -> None:
         set_optimizer_state_dict(par.base, optimizer, optim_state)
 
 
-def _map_position(directory, data: dict, *, world_size: int, batch_size: int) -> TrainState:
+def _map_position(directory, data: dict, *, world_size: int, batch_size: int,
+                  epoch_rows: int) -> TrainState:
     """Micro-batch j of an epoch goes to rank j % world: a rank's count times the rows
-    per round is the epoch's global position in rows, which the new layout must divide."""
+    per round is the epoch's global position in rows, which the new layout must divide.
+    `epoch_rows` is what the new layout trains on per epoch: at or past it, the next
+    epoch starts."""
     state = TrainState(**data["state"])
     layout = data.get("layout")
-    same = layout and (layout["world_size"], layout["batch_size"]) == (world_size, batch_size)
-    if not layout or not batch_size or same:
+    if not layout:  # format 1 (no layout recorded): resumed as written
+        return state
+    same = (layout["world_size"], layout["batch_size"]) == (world_size, batch_size)
+    if not batch_size or same:
         return state
     rows = state.batches_in_epoch * layout["world_size"] * layout["batch_size"]
+    if epoch_rows and rows >= epoch_rows:
+        state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+        return state
     per_round = world_size * batch_size
     if rows % per_round:
         raise CheckpointError(

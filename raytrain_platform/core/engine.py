@@ -83,7 +83,8 @@ class Engine:
     def restore(self, directory: str) -> None:
         self.state = load_checkpoint(directory, par=self.par, optimizer=self.optimizer,
                                      device=self.env.device, world_size=self.env.world_size,
-                                     batch_size=self.cfg.data.batch_size)
+                                     batch_size=self.cfg.data.batch_size,
+                                     epoch_rows=self.job.steps_per_epoch * self.job.rows_per_step)
 
     def save(self, directory: str, metrics: dict) -> None:
         save_checkpoint(directory, par=self.par, optimizer=self.optimizer, state=self.state,

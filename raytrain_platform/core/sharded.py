@@ -6,11 +6,18 @@ Every rank writes its own shard (``__<rank>_0.distcp``) and rank 0 the index
 the target holds: FSDP shards at another world size, or full tensors of a plain
 or DDP model, or a single process with no process group (export).
 
-Safety: torch's `FileSystemReader.read_metadata` calls ``pickle.load`` on
-``.metadata``. `SafeFileSystemReader` reads it with an unpickler that resolves only
-the classes DCP metadata is made of and refuses anything else with `CheckpointError`.
-Tensor payloads are raw bytes; other values (optimizer hyperparameters) are read by
-DCP with ``torch.load(weights_only=True)``.
+Safety, three holes closed, each with a test (tests/test_checkpoint_safety.py):
+
+- torch's `FileSystemReader.read_metadata` calls ``pickle.load`` on ``.metadata``;
+  `SafeFileSystemReader` reads it with an unpickler that resolves only the classes
+  DCP metadata is made of and refuses anything else with `CheckpointError`;
+- entries the index calls bytes (optimizer hyperparameters, or any key a crafted
+  index declares so) are read by DCP's `DefaultLoadPlanner` with
+  ``torch.load(weights_only=False)``; `_SafeLoadPlanner` reads them with
+  ``weights_only=True``;
+- the index names the files to read: only this checkpoint's own ``__R_I.distcp``
+  files are accepted (no ``../``), and all of them must be there (a checkpoint
+  whose shards did not all arrive is incomplete, not half-loaded).
 
 >>> # dcp.load(state, storage_reader=SafeFileSystemReader("run/checkpoint_000010/model"))
 """
@@ -21,6 +28,7 @@ import io
 import os
 import pathlib
 import pickle
+import re
 import warnings
 from pathlib import Path
 
@@ -28,7 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, metadata as dcp_metadata
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -94,13 +103,54 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, but non-tensor entries are read with ``weights_only=True``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:  # weights_only refuses anything that is not plain data
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"entry {read_item.dest_index.fqn!r} refused or unreadable "
+                                  f"({first})") from None
+        # Hand DCP a re-serialisation of the plain data just read, so its own
+        # bookkeeping (flattened keys, mappings) runs unchanged.
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
+
+
+_SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
 def _reader(directory: str | os.PathLike) -> SafeFileSystemReader:
     path = Path(directory) / SHARDED_DIR
     if not (path / _METADATA_FILE).is_file():
         raise CheckpointError(f"{directory}: no {SHARDED_DIR}/{_METADATA_FILE} (partial sharded checkpoint)")
     reader = SafeFileSystemReader(str(path))
-    reader.read_metadata()  # refused here with a plain CheckpointError, not wrapped by DCP's load
+    metadata = reader.read_metadata()  # refused here with a plain CheckpointError, not wrapped by DCP
+    for name in sorted({info.relative_path for info in (metadata.storage_data or {}).values()}):
+        if not (isinstance(name, str) and _SHARD_FILE.match(name)):
+            raise CheckpointError(f"{path}: the index names file {name!r}; only this checkpoint's "
+                                  "own __<rank>_<n>.distcp shard files are read")
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path}: shard {name} is missing (incomplete sharded checkpoint)")
     return reader
+
+
+def _load(state: dict, directory: str | os.PathLike, what: str, **kwargs) -> None:
+    """`dcp.load` through the safe reader and planner; any failure is one CheckpointError."""
+    try:
+        dcp.load(state, storage_reader=_reader(directory), planner=_SafeLoadPlanner(), **kwargs)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # DCP wraps rank failures in a BaseException
+        ours = re.search(r"CheckpointError: (.+)", str(exc))
+        if ours:
+            raise CheckpointError(f"{directory}: {ours.group(1)}") from None
+        raise CheckpointError(f"{directory}: sharded checkpoint could not be loaded into this "
+                              f"{what} ({_short(exc)})") from None
 
 
 def save_sharded(directory: str | os.PathLike, *, module: nn.Module,
@@ -116,13 +166,7 @@ def load_sharded(directory: str | os.PathLike, *, module: nn.Module,
     (FSDP shards at any world size, or the full tensors of a plain/DDP model)."""
     model_sd, optim_sd = get_state_dict(module, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    try:
-        dcp.load(state, storage_reader=_reader(directory))
-    except CheckpointError:
-        raise
-    except Exception as exc:  # DCP wraps rank failures; a missing key means another model
-        raise CheckpointError(f"{directory}: sharded checkpoint does not fit this model/optimizer "
-                              f"({_short(exc)})") from None
+    _load(state, directory, "model/optimizer")
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -130,15 +174,12 @@ def load_full_model_state(directory: str | os.PathLike, model: nn.Module) -> dic
     """Consolidate the model weights of a sharded checkpoint into `model`'s full (plain,
     CPU) state dict, in this one process, without a process group."""
     state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
-    try:
-        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=_reader(directory), no_dist=not dist.is_initialized())
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"{directory}: sharded checkpoint does not fit this model "
-                              f"({_short(exc)})") from None
+    with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _load(state, directory, "model", no_dist=not dist.is_initialized())
+    wrong = sorted(k for k, v in state["model"].items() if not isinstance(v, torch.Tensor))
+    if wrong:  # an index may call a weight "bytes": plain data then, but still not a tensor
+        raise CheckpointError(f"{directory}: entries {wrong[:3]} are not tensors")
     return state["model"]
 
 

@@ -10,7 +10,6 @@ seed see the same numbers. No torch, no Ray.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -43,15 +42,16 @@ def write_tabular_parquet(out: str | Path, *, rows: int = 20_000, features: int 
     if files > rows:
         raise ConfigError("--files", files, f"at most --rows ({rows})")
     folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError("out", str(folder), "a folder (a file of that name exists)")
     if folder.exists() and any(folder.glob("*.parquet")):
         raise ConfigError("out", str(folder), "an empty or new folder (it already holds .parquet files)")
     folder.mkdir(parents=True, exist_ok=True)
     spec = SourceSpec(kind="synthetic", task="classification", val_fraction=0.0, num_samples=rows,
                       num_features=features, num_classes=classes, seed=seed)
-    per_file = math.ceil(rows / files)
     written = []
-    for i, start in enumerate(range(0, rows, per_file)):
-        part = synthetic_rows(np.arange(start, min(rows, start + per_file)), spec)
+    for i, ids in enumerate(np.array_split(np.arange(rows), files)):  # exactly `files` files
+        part = synthetic_rows(ids, spec)
         table = pa.table({**{f"f{j}": part["x"][:, j] for j in range(features)},
                           "label": part["y"].astype(np.int64)})
         path = folder / f"part-{i:04d}.parquet"

@@ -11,7 +11,7 @@ import torch
 
 from raytrain_platform.data import sources
 from raytrain_platform.data.sources import SourceSpec
-from raytrain_platform.resolve import ResolvedJob
+from raytrain_platform.resolve import ResolvedJob, val_rounds
 
 __all__ = ["LocalBatches"]
 
@@ -56,4 +56,4 @@ class LocalBatches:
         return self._strided("train", rounds)
 
     def val_batches(self, n: int) -> list[dict[str, torch.Tensor]]:
-        return list(self._strided("val", n))
+        return list(self._strided("val", min(n, val_rounds(self.job))))

@@ -14,7 +14,7 @@ import torch
 
 from raytrain_platform.core.dist import DistEnv
 from raytrain_platform.core.engine import run_training
-from raytrain_platform.resolve import ResolvedJob
+from raytrain_platform.resolve import ResolvedJob, val_rounds
 from raytrain_platform.rundir import checkpoint_name
 
 __all__ = ["train_loop_per_worker"]
@@ -34,7 +34,7 @@ class RayBatches:
     def __init__(self, job: ResolvedJob, env: DistEnv):
         import ray.train
 
-        self.cfg, self.env = job.config, env
+        self.job, self.cfg, self.env = job, job.config, env
         self.train_it = ray.train.get_dataset_shard("train")
         self.val_it = ray.train.get_dataset_shard("val") if job.data.num_val else None
 
@@ -55,9 +55,12 @@ class RayBatches:
         return self._iter(self.train_it, shuffle_seed=seed)
 
     def val_batches(self, n: int):
+        # The same count on every rank (whole rounds only): under FSDP every forward is a
+        # collective, and a rank with one batch more would wait for the others forever.
+        rounds = min(n, val_rounds(self.job))
         out = []
         for j, batch in enumerate(self._iter(self.val_it, shuffle_seed=None)):
-            if j >= n * self.env.world_size:
+            if j >= rounds * self.env.world_size:
                 break
             if j % self.env.world_size == self.env.rank:
                 out.append(batch)

@@ -31,14 +31,18 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+try:  # private in torch 2.13: without it, runs still train, only the count stays 0
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+except ImportError:  # pragma: no cover - older/newer torch
+    DefaultReduceScatter = None
 
 from raytrain_platform.parallel.base import CommCounter, Parallelized
 
 __all__ = ["apply_fsdp", "shard_units"]
 
 
-class _CountingReduceScatter(DefaultReduceScatter):
+class _CountingReduceScatter(DefaultReduceScatter or object):  # type: ignore[misc]
     """FSDP's default reduce-scatter, counted each time it is issued."""
 
     def __init__(self, counter: CommCounter):
@@ -97,7 +101,8 @@ def apply_fsdp(model: nn.Module, *, env, cfg) -> Parallelized:
     fully_shard(model, **options)
     counter = CommCounter()
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if DefaultReduceScatter is not None and isinstance(module, FSDPModule) and hasattr(
+                module, "set_custom_reduce_scatter"):
             module.set_custom_reduce_scatter(_CountingReduceScatter(counter))
     root: FSDPModule = model  # type: ignore[assignment]
 

@@ -190,7 +190,8 @@ def _gib(n: int) -> str:
 
 
 def _need(o: Option) -> str:
-    assert o.estimate is not None and o.layout is not None
+    if o.estimate is None or o.layout is None:
+        return f"n/a ({o.note})" if o.note else "n/a"
     return f"{_gib(o.estimate.total)} at micro-batch {o.layout.micro_batch}"
 
 
@@ -207,8 +208,9 @@ def _fits_one_device(req: PlanRequest, o: dict[str, Option]) -> tuple[Option, li
     budget = _gib(req.budget)
     if none.fits:
         head = f"fits one device at the full batch of {req.global_batch} ({_need(none)} of {budget})"
-        if req.devices == 1:
-            return none, [head + ": nothing to distribute"]
+        if req.devices == 1 or not ddp.fits:
+            return none, [head + (": nothing to distribute" if req.devices == 1 else
+                                  f"; DDP's gradient buckets would not fit ({_need(ddp)})")]
         return ddp, [head + "; table row 'fits one GPU, training slow' / 'fits one node, need "
                      f"throughput': DDP over {req.devices} devices, {_batch_words(ddp)}",
                      "DDP pays off once one device is busy (95%+ utilisation) and communication does "
@@ -218,6 +220,11 @@ def _fits_one_device(req: PlanRequest, o: dict[str, Option]) -> tuple[Option, li
     if req.devices == 1:
         return accum, [head + f"; table row 'big batch does not fit': gradient accumulation, "
                        f"{_batch_words(accum)}"]
+    if not ddp.fits:  # the replica fits, but not with DDP's gradient buckets beside it
+        fallback = o["fsdp"] if o["fsdp"].fits else accum
+        return fallback, [head + f"; DDP does not fit either ({_need(ddp)}: its gradient buckets "
+                          f"copy the gradients), so {LABELS[fallback.strategy]}, "
+                          f"{_batch_words(fallback)}"]
     return ddp, [head + f"; DDP over {req.devices} devices splits it: {_batch_words(ddp)}"
                  + (" (gradient accumulation, table row 'big batch does not fit')"
                     if ddp.grad_accum_steps > 1 else "")]
