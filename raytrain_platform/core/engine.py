@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from raytrain_platform.core.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
+from raytrain_platform.core.memory import state_bytes
 from raytrain_platform.core.optim import build_optimizer, lr_at
 from raytrain_platform.models import build_model
 from raytrain_platform.models.tasks import get_task
@@ -128,12 +129,9 @@ class Engine:
     def _measure_memory(self) -> dict[str, int]:
         """This rank's bytes of parameters, gradients and optimizer state: exact, from
         the local shards (a DTensor counts only its ``to_local()`` part)."""
-        params = list(self.par.module.parameters())
-        optim = [v for st in self.optimizer.state.values() for v in st.values()
-                 if isinstance(v, torch.Tensor)]
-        return {"param_bytes": _local_bytes(params),
-                "grad_bytes": _local_bytes(p.grad for p in params if p.grad is not None),
-                "optim_bytes": _local_bytes(optim)}
+        held = state_bytes(self.par.module, self.optimizer)
+        return {"param_bytes": held["params"], "grad_bytes": held["grads"],
+                "optim_bytes": held["optimizer"]}
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> dict[str, float]:
@@ -247,14 +245,6 @@ class Engine:
         if self.env.device.type == "cuda":
             metrics["peak_mem_bytes"] = torch.cuda.max_memory_allocated(self.env.device)
         return metrics
-
-
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
-    return total
 
 
 def run_training(job: ResolvedJob, env: DistEnv, *, source: BatchSource, reporter: Reporter,

@@ -26,32 +26,13 @@ import json
 import os
 from typing import Any
 
+from raytrain_platform.core.memory import local_tensor, state_bytes
+
 __all__ = ["state_bytes", "measure"]
 
 
-def _local(t: Any) -> Any:
-    # A DTensor (FSDP2) holds only its shard on this rank.
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _local_bytes(t: Any) -> int:
-    local = _local(t)
-    return local.numel() * local.element_size()
-
-
 def _storage_ptr(t: Any) -> int:
-    return _local(t).untyped_storage().data_ptr()
-
-
-def state_bytes(model: Any, optimizer: Any) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state held by this process."""
-    params = list(model.parameters())
-    opt = 0
-    for state in optimizer.state.values():
-        opt += sum(_local_bytes(v) for v in state.values() if hasattr(v, "element_size"))
-    return {"params": sum(_local_bytes(p) for p in params),
-            "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": opt}
+    return local_tensor(t).untyped_storage().data_ptr()
 
 
 def _saved_activation_bytes(fn: Any, params: list) -> tuple[Any, int]:
@@ -65,7 +46,7 @@ def _saved_activation_bytes(fn: Any, params: list) -> tuple[Any, int]:
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = _storage_ptr(t)
         if ptr not in param_storages:
-            seen[ptr] = _local(t).untyped_storage().nbytes()
+            seen[ptr] = local_tensor(t).untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
