@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import save_file
 
 from raytrain_platform.config import load_config
-from raytrain_platform.core.checkpoint import WEIGHTS_FILE, read_state, read_weights
+from raytrain_platform.core.checkpoint import WEIGHTS_FILE, read_state, read_weights, write_weights
 from raytrain_platform.core.sharded import load_full_model_state
 from raytrain_platform.errors import CheckpointError, ConfigError
 from raytrain_platform.models import build_model
@@ -69,8 +68,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     model.load_state_dict(weights)  # names and shapes checked once more, against the model
     target = Path(out) if out is not None else ckpt.parent / "export"
     target.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
-              str(target / WEIGHTS_FILE), metadata={"format": "raytrain_platform", "kind": "export"})
+    write_weights(target / WEIGHTS_FILE, model, kind="export")
     (target / CONFIG_FILE).write_text(cfg.to_yaml())
     write_json(target / EXPORT_INFO_FILE, {
         "source": str(ckpt.resolve()), "step": state["state"]["step"],

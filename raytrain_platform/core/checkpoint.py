@@ -32,7 +32,7 @@ from raytrain_platform.errors import CheckpointError
 from raytrain_platform.rundir import CONFIG_FILE, STATE_FILE, write_json
 
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "read_state", "load_model_weights",
-           "read_weights", "WEIGHTS_FILE", "OPTIM_FILE", "SHARDED_DIR"]
+           "read_weights", "write_weights", "WEIGHTS_FILE", "OPTIM_FILE", "SHARDED_DIR"]
 
 WEIGHTS_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.pt"
@@ -62,9 +62,7 @@ def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
         # Parameter names, not positions: the same file then loads into an FSDP model.
         optim_state = get_optimizer_state_dict(par.base, optimizer)
         if is_rank0:
-            weights = {k: v.detach().contiguous().cpu() for k, v in par.base.state_dict().items()}
-            save_file(weights, str(d / WEIGHTS_FILE),
-                      metadata={"format": "raytrain_platform", "version": str(FORMAT_VERSION)})
+            write_weights(d / WEIGHTS_FILE, par.base, version=str(FORMAT_VERSION))
             torch.save(optim_state, d / OPTIM_FILE)
     if not is_rank0:
         return
@@ -74,6 +72,12 @@ def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
                                 "layout": {"world_size": world_size, "batch_size": batch_size},
                                 "scheduler": {"step": state.step, "lr": lr},
                                 "metrics": metrics, "sharded": bool(par.sharded)})
+
+
+def write_weights(path: str | os.PathLike, model: torch.nn.Module, **metadata: str) -> None:
+    """`model`'s full state as safetensors (plain tensors: loading it runs no code)."""
+    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(weights, str(path), metadata={"format": "raytrain_platform", **metadata})
 
 
 def read_state(directory: str | os.PathLike) -> dict:
