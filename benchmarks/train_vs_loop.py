@@ -125,7 +125,7 @@ def quickstart_wait(storage: Path, steps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--quickstart-steps", type=int, default=60)
     p.add_argument("--smoke", action="store_true", help="a few steps, one repeat; no results file")
