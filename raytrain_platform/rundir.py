@@ -76,15 +76,27 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     return rows
 
 
+def _is_complete(ckpt: Path) -> bool:
+    """trainer_state.json is written last, but a copy to storage (Ray uploads each
+    rank's files) may land it before the others: check the files it vouches for."""
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    needed = ["sharded/.metadata"] if state.get("sharded") else ["model.safetensors", "optimizer.pt"]
+    return all((ckpt / name).is_file() for name in needed)
+
+
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints (those with a trainer_state.json), oldest first."""
+    """Complete checkpoints, oldest first (a sharded one's shard files are checked when
+    it is loaded: listing them needs its index)."""
     root = Path(run_dir)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         m = _CKPT.match(child.name)
-        if m and child.is_dir() and (child / STATE_FILE).exists():
+        if m and child.is_dir() and _is_complete(child):
             found.append((int(m.group(1)), child))
     return [p for _, p in sorted(found)]
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any, Callable
 from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.resolve import ResolvedJob, resolve_job
 from raytrain_platform.rundir import (CONFIG_FILE, SUMMARY_FILE, best_checkpoint, latest_checkpoint,
-                                      plot_run, read_metrics, write_json)
+                                      list_checkpoints, plot_run, read_metrics, write_json)
 
 __all__ = ["TrainResult", "train", "prepare", "format_progress"]
 
@@ -108,7 +109,7 @@ def _check_cpu_headroom(cfg: JobConfig) -> None:
                           "needs at least 0.5 of them to feed the workers")
 
 
-def _build_trainer(job: ResolvedJob):
+def _build_trainer(job: ResolvedJob, resume_from: Path | None):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -130,7 +131,8 @@ def _build_trainer(job: ResolvedJob):
         worker_runtime_env={"env_vars": {**_QUIET_ENV, **_TRAIN_WORKER_ENV}})
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"job": job.to_dict()},
+        train_loop_config={"job": job.to_dict(),
+                           "resume_from": str(resume_from) if resume_from else None},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
@@ -169,7 +171,7 @@ def train(config: Any, overrides: list[str] | None = None, *, address: str | Non
         emit(f"resuming from {resumed}")
     t0 = time.time()
     _init_ray(address, verbose)
-    trainer = _build_trainer(job)
+    trainer = _build_trainer(job, resumed)
     stop = threading.Event()
     tail = threading.Thread(target=_tail_progress, args=(run_dir, job.total_steps, stop, emit),
                             daemon=True)
@@ -179,11 +181,17 @@ def train(config: Any, overrides: list[str] | None = None, *, address: str | Non
     finally:
         stop.set()
         tail.join()
-    return finish_run(run_dir, wall_time_s=time.time() - t0, emit=emit)
+    return finish_run(run_dir, wall_time_s=time.time() - t0, emit=emit,
+                      keep=cfg.run.keep_checkpoints)
 
 
-def finish_run(run_dir: Path, *, wall_time_s: float, emit: Callable[[str], None]) -> TrainResult:
-    """Write summary.json and plot.png from what the run left in its directory."""
+def finish_run(run_dir: Path, *, wall_time_s: float, emit: Callable[[str], None],
+               keep: int) -> TrainResult:
+    """Keep the newest `keep` checkpoints, write summary.json and plot.png."""
+    # Ray prunes the checkpoints it tracks; one written just before a killed driver
+    # recorded it is pruned here.
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
     metrics = read_metrics(run_dir)
     latest, best = latest_checkpoint(run_dir), best_checkpoint(run_dir)
     final = metrics[-1] if metrics else {}

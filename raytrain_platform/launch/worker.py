@@ -8,6 +8,7 @@ import math
 import os
 import tempfile
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -100,8 +101,13 @@ def train_loop_per_worker(loop_config: dict) -> None:
     env = DistEnv.current(use_gpu=cfg.scaling.use_gpu)
     checkpoint = ray.train.get_checkpoint()
     source, reporter = RayBatches(job, env), RayReporter(job)
-    if checkpoint is None:
-        run_training(job, env, source=source, reporter=reporter, resume_dir=None,
+    # Ray knows the checkpoints of this fit (after a worker failure) and those its
+    # snapshot recorded; a driver killed right after a checkpoint was written leaves one
+    # only the run directory knows: the driver found it and passes it. The newer wins
+    # (names are checkpoint_<zero-padded step>).
+    found = loop_config.get("resume_from")
+    if checkpoint is None or (found and Path(found).name > Path(checkpoint.path).name):
+        run_training(job, env, source=source, reporter=reporter, resume_dir=found,
                      run_dir=cfg.run.run_dir)
         return
     with checkpoint.as_directory() as resume_dir:
