@@ -69,9 +69,6 @@ class RayBatches:
 
 
 class RayReporter:
-    def __init__(self, job: ResolvedJob):
-        self.job = job
-
     def report(self, metrics: dict, save: Callable[[str], None] | None) -> None:
         import ray.train
 
@@ -79,8 +76,8 @@ class RayReporter:
             # Each ray.train.report() waits for the controller to take the previous one
             # (a queue of one, polled) and syncs the ranks: per step it costs more than a
             # small model's step. Per-step metrics already reach metrics.jsonl (rank 0);
-            # Ray gets the evaluations, the checkpoints and the last step.
-            if "val_loss" in metrics or metrics["step"] >= self.job.total_steps:
+            # Ray gets the evaluations and the checkpoints (the last step always has one).
+            if "val_loss" in metrics:
                 ray.train.report(metrics)
             return
         with tempfile.TemporaryDirectory(prefix="rtp-ckpt-") as tmp:
@@ -100,7 +97,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     torch.set_num_threads(cfg.scaling.torch_threads or max(1, math.floor(cfg.scaling.cpus_per_worker)))
     env = DistEnv.current(use_gpu=cfg.scaling.use_gpu)
     checkpoint = ray.train.get_checkpoint()
-    source, reporter = RayBatches(job, env), RayReporter(job)
+    source, reporter = RayBatches(job, env), RayReporter()
     # Ray knows the checkpoints of this fit (after a worker failure) and those its
     # snapshot recorded; a driver killed right after a checkpoint was written leaves one
     # only the run directory knows: the driver found it and passes it. The newer wins
