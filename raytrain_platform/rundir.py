@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
 __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "SUMMARY_FILE", "PLOT_FILE",
-    "MetricsLog", "read_metrics", "list_checkpoints", "latest_checkpoint", "best_checkpoint",
+    "MetricsLog", "read_metrics", "list_checkpoints", "prune_checkpoints", "latest_checkpoint", "best_checkpoint",
     "write_json", "checkpoint_name",
 ]
 
@@ -99,6 +100,12 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
         if m and child.is_dir() and _is_complete(child):
             found.append((int(m.group(1)), child))
     return [p for _, p in sorted(found)]
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints."""
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:

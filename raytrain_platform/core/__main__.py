@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from raytrain_platform.core.engine import run_training
 from raytrain_platform.data.local import LocalBatches
 from raytrain_platform.errors import UserError
 from raytrain_platform.resolve import resolve_job
-from raytrain_platform.rundir import CONFIG_FILE, checkpoint_name, latest_checkpoint, list_checkpoints
+from raytrain_platform.rundir import CONFIG_FILE, checkpoint_name, latest_checkpoint, prune_checkpoints
 
 
 class LocalReporter:
@@ -40,8 +39,7 @@ class LocalReporter:
         save(str(target))
         barrier()
         if self.is_rank0:
-            for old in list_checkpoints(self.run_dir)[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            prune_checkpoints(self.run_dir, self.keep)
             print(f"step {metrics['step']}: loss {metrics['loss']:.4f}, checkpoint {target}", flush=True)
 
 

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import Any, Callable
 from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.resolve import ResolvedJob, resolve_job
 from raytrain_platform.rundir import (CONFIG_FILE, SUMMARY_FILE, best_checkpoint, latest_checkpoint,
-                                      list_checkpoints, plot_run, read_metrics, write_json)
+                                      plot_run, prune_checkpoints, read_metrics, write_json)
 
 __all__ = ["TrainResult", "train", "prepare", "format_progress"]
 
@@ -190,8 +189,7 @@ def finish_run(run_dir: Path, *, wall_time_s: float, emit: Callable[[str], None]
     """Keep the newest `keep` checkpoints, write summary.json and plot.png."""
     # Ray prunes the checkpoints it tracks; one written just before a killed driver
     # recorded it is pruned here.
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(run_dir, keep)
     metrics = read_metrics(run_dir)
     latest, best = latest_checkpoint(run_dir), best_checkpoint(run_dir)
     final = metrics[-1] if metrics else {}
