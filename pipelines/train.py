@@ -11,11 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from raytrain_platform.cli import main  # noqa: E402
+from raytrain_platform.cli import job_entry  # noqa: E402
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if "--config" in argv:  # `--config FILE` reads better in a job command line
-        i = argv.index("--config")
-        argv = argv[:i] + [argv[i + 1]] + argv[i + 2:]
-    raise SystemExit(main(["train", *argv]))
+    raise SystemExit(job_entry("train", "--config"))

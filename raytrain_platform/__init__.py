@@ -16,7 +16,8 @@ from typing import Any
 from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.errors import CheckpointError, ConfigError, DataError, UserError
 
-__all__ = ["JobConfig", "load_config", "train", "TrainResult", "export_checkpoint", "UserError",
+__all__ = ["JobConfig", "load_config", "train", "TrainResult", "sweep", "SweepResult",
+           "export_checkpoint", "UserError",
            "ConfigError", "DataError", "CheckpointError", "__version__"]
 __version__ = "0.1.0"
 
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from raytrain_platform.launch import trainer
 
         return getattr(trainer, name)
+    if name in ("sweep", "SweepResult"):
+        from raytrain_platform.tune import sweep
+
+        return getattr(sweep, name)
     if name == "export_checkpoint":
         from raytrain_platform.export import export_checkpoint
 

@@ -5,6 +5,9 @@
     rtp export RUN_DIR_OR_CHECKPOINT [--out DIR]
     rtp make-data OUT [--rows N] [--features F] [--classes C] [--files K] [--seed S]
     rtp plan [CONFIG] [--model M | --params N ...] --device-mem SIZE [...] [--json]
+    rtp sweep SWEEP.yaml [--set KEY=VALUE ...] [--address ADDR] [--verbose]
+    rtp serve RUN_DIR_OR_CHECKPOINT ... [--host 127.0.0.1] [--port 8000] [--replicas N] [--write-config FILE]
+    rtp doctor CONFIG [--set KEY=VALUE ...] [--workers 1,2] [--steps N] [--out DIR] [--json]
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (config, data, checkpoint).
 """
@@ -12,6 +15,7 @@ Exit codes: 0 success, 1 the run failed, 2 bad input (config, data, checkpoint).
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Callable
 
@@ -31,6 +35,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     job = prepare(args.config, args.overrides)
     print(f"valid: {job.config.summary()}")
+    for note in job.notes:  # `auto` fields, decided on this machine; `rtp train` asks the cluster
+        print(f"{note} (on this machine)")
     print(f"data: {job.data.num_train} training / {job.data.num_val} validation samples; "
           f"{job.steps_per_epoch} optimizer steps per epoch; schedule spans {job.total_steps} steps")
     return 0
@@ -61,10 +67,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from raytrain_platform.plan.command import run_plan
-
-    return run_plan(args)
+# Commands whose arguments and entry point live in their own package's command module:
+# (name, module, its add-arguments function, its run function -> exit code, help).
+_PACKAGE_COMMANDS = (
+    ("plan", "raytrain_platform.plan.command", "add_plan_arguments", "run_plan",
+     "per-device memory of each strategy, which fit, and a recommendation"),
+    ("sweep", "raytrain_platform.tune.command", "add_sweep_arguments", "run_sweep",
+     "Ray Tune sweep over config fields (rerun to resume)"),
+    ("serve", "raytrain_platform.serve.command", "add_serve_arguments", "run_serve",
+     "serve checkpoints over HTTP with Ray Serve (batched, multiplexed)"),
+    ("doctor", "raytrain_platform.doctor.command", "add_doctor_arguments", "run_doctor",
+     "measure at 1 and 2 workers, break the step down, flag pitfalls"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,11 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
     p.add_argument("--out", default=None, help="output folder (default: <run dir>/export)")
     p.set_defaults(fn=_cmd_export)
-    from raytrain_platform.plan.command import add_plan_arguments  # no torch: `rtp` stays fast
-
-    p = sub.add_parser("plan", help="per-device memory of each strategy, which fit, and a recommendation")
-    add_plan_arguments(p)
-    p.set_defaults(fn=_cmd_plan)
+    for name, module, add_arguments, run, help_text in _PACKAGE_COMMANDS:
+        mod = importlib.import_module(module)  # light: torch and Ray load when the command runs
+        p = sub.add_parser(name, help=help_text)
+        getattr(mod, add_arguments)(p)
+        p.set_defaults(fn=getattr(mod, run))
     return parser
 
 
@@ -143,6 +157,16 @@ def _first_line(exc: BaseException) -> str:
         exc = failures[min(failures)]
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
+
+
+def job_entry(command: str, file_flag: str, argv: list[str] | None = None) -> int:
+    """What pipelines/*.py run under `ray job submit`: ``FILE_FLAG FILE [...]`` (it reads
+    better in a job's command line) as ``rtp COMMAND FILE [...]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if file_flag in argv:
+        i = argv.index(file_flag)
+        argv = argv[:i] + argv[i + 1:i + 2] + argv[i + 2:]
+    return main([command, *argv])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,9 @@ import yaml
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.models.specs import BUILTIN_MODELS, MODEL_TASKS, resolve_model_kwargs
+from raytrain_platform.parallel.dims import PP_SCHEDULES, ParallelDims, validate_parallel_dims
 from raytrain_platform.parallel.registry import STRATEGIES, strategy_names
+from raytrain_platform.units import parse_size
 
 __all__ = [
     "JobConfig",
@@ -83,7 +85,7 @@ class ModelConfig:
 class DataConfig:
     SECTION: ClassVar[str] = "data"
     source: str = _REQUIRED  # parquet | synthetic | text
-    batch_size: int = _REQUIRED  # per-worker micro-batch
+    batch_size: Union[int, str] = _REQUIRED  # per-worker micro-batch, or "auto" (train.global_batch_size)
     path: Union[str, None] = None  # parquet folder/URI, text folder (default: Python's stdlib)
     feature_columns: Union[list[str], None] = None  # parquet: input columns (default: all but label)
     label_column: str = "label"
@@ -98,11 +100,19 @@ class DataConfig:
     prefetch_batches: int = 2
     shuffle_buffer: int = 0  # local shuffle buffer in rows per worker; 0 = source order
     shuffle_seed: Union[int, None] = None  # default: train.seed
+    # false: every worker reads the whole training set (Ray Train's unsplit datasets):
+    # the same samples on every rank, which `rtp doctor` flags; true is what DDP needs.
+    split_across_workers: bool = True
+    max_read_rows_per_s: Union[float, None] = None  # throttle each read task (simulate slow storage)
+
+    _ALLOWED: ClassVar[dict[str, str]] = {
+        "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)"}
 
     def __post_init__(self) -> None:
         _check(self.source in ("parquet", "synthetic", "text"), "data.source", self.source,
                "one of ['parquet', 'synthetic', 'text']")
-        _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1")
+        _check(self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
+               "data.batch_size", self.batch_size, self._ALLOWED["batch_size"])
         _check(self.source != "parquet" or bool(self.path), "data.path", self.path,
                "a folder or URI of Parquet files when data.source is parquet")
         _check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction,
@@ -116,6 +126,8 @@ class DataConfig:
                "an integer >= 0")
         _check(self.shuffle_buffer >= 0, "data.shuffle_buffer", self.shuffle_buffer,
                "an integer >= 0 (0 = no shuffle)")
+        _check(self.max_read_rows_per_s is None or self.max_read_rows_per_s > 0,
+               "data.max_read_rows_per_s", self.max_read_rows_per_s, "a number > 0 or null (no limit)")
         _check(self.feature_columns is None or len(self.feature_columns) > 0,
                "data.feature_columns", self.feature_columns, "a non-empty list of column names or null")
 
@@ -126,6 +138,7 @@ class TrainConfig:
     max_steps: Union[int, None] = None  # optimizer steps; stops at whichever of these comes first
     epochs: Union[int, None] = None
     grad_accum_steps: int = 1  # micro-steps per optimizer step
+    global_batch_size: Union[int, None] = None  # with data.batch_size auto: samples per optimizer step
     lr: float = 1e-3
     optimizer: str = "adamw"  # adamw | sgd
     weight_decay: float = 0.0
@@ -147,6 +160,8 @@ class TrainConfig:
                "an integer >= 1 or null")
         _check(self.grad_accum_steps >= 1, "train.grad_accum_steps", self.grad_accum_steps,
                "an integer >= 1")
+        _check(self.global_batch_size is None or self.global_batch_size >= 1, "train.global_batch_size",
+               self.global_batch_size, "an integer >= 1 or null")
         _check(self.lr > 0, "train.lr", self.lr, "a number > 0")
         _check(self.optimizer in ("adamw", "sgd"), "train.optimizer", self.optimizer,
                "one of ['adamw', 'sgd']")
@@ -175,17 +190,34 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
     cpu_offload: bool = False  # sharded parameters, gradients, optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each gpt block's activations in backward
+    # Model parallelism (gpt; parallel/dims.py): data-parallel size = num_workers / (tp x pp).
+    tp_size: int = 1  # tensor-parallel ranks per model replica (heads split across them)
+    pp_size: int = 1  # pipeline-parallel ranks (stages) per model replica
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    pp_microbatches: Union[int, None] = None  # pipeline chunks per micro-batch; default pp_size
+    pp_split: Union[list[int], None] = None  # gpt blocks per stage; default balanced
+    sequence_parallel: bool = False  # TP: norms and dropout on sequence shards
 
     _FSDP_ONLY: ClassVar[dict[str, bool]] = {
         "mixed_precision": False, "reshard_after_forward": True, "cpu_offload": False,
         "activation_checkpointing": False}
 
     def __post_init__(self) -> None:
-        _check(self.strategy in STRATEGIES, "parallel.strategy", self.strategy,
-               f"one of {strategy_names()}")
+        _check(self.strategy in STRATEGIES or self.strategy == "auto", "parallel.strategy",
+               self.strategy, f"one of {strategy_names()} or 'auto' (chosen by the plan at launch)")
         _check(self.ddp_bucket_cap_mb > 0, "parallel.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb,
                "a number > 0")
-        if self.strategy != "fsdp":
+        for name in ("tp_size", "pp_size"):
+            _check(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "an integer >= 1")
+        _check(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
+               f"one of {list(PP_SCHEDULES)}")
+        _check(self.pp_microbatches is None or self.pp_microbatches >= 1, "parallel.pp_microbatches",
+               self.pp_microbatches, "an integer >= 1 or null")
+        _check(self.pp_split is None or all(n >= 1 for n in self.pp_split), "parallel.pp_split",
+               self.pp_split, "a list of block counts >= 1, or null")
+        _check(self.tp_size > 1 or not self.sequence_parallel, "parallel.sequence_parallel",
+               self.sequence_parallel, "false unless parallel.tp_size > 1")
+        if self.strategy not in ("fsdp", "auto"):
             for name, default in self._FSDP_ONLY.items():
                 _check(getattr(self, name) == default, f"parallel.{name}", getattr(self, name),
                        f"{str(default).lower()} unless parallel.strategy is 'fsdp'")
@@ -198,13 +230,20 @@ class ScalingConfig:
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     torch_threads: Union[int, None] = None  # intra-op threads per worker; default from CPUs
+    memory_budget: Union[str, None] = None  # per CPU worker, for the auto fields, e.g. "4GiB"
 
     def __post_init__(self) -> None:
+        if self.memory_budget is not None:
+            parse_size("scaling.memory_budget", self.memory_budget)
         _check(self.num_workers >= 1, "scaling.num_workers", self.num_workers, "an integer >= 1")
         _check(self.cpus_per_worker > 0, "scaling.cpus_per_worker", self.cpus_per_worker,
                "a number > 0")
         _check(self.torch_threads is None or self.torch_threads >= 1, "scaling.torch_threads",
                self.torch_threads, "an integer >= 1 or null")
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        return None if self.memory_budget is None else parse_size("scaling.memory_budget", self.memory_budget)
 
 
 @dataclass
@@ -263,12 +302,31 @@ class JobConfig:
         for name, cls in _SECTIONS.items():
             _check(isinstance(getattr(self, name), cls), name, type(getattr(self, name)).__name__,
                    f"a {cls.__name__}")
-        strat = STRATEGIES[self.parallel.strategy]
-        n = self.scaling.num_workers
-        _check(strat.min_workers <= n and (strat.max_workers is None or n <= strat.max_workers),
-               "scaling.num_workers", n,
-               f"{strat.describe_workers()} for parallel.strategy '{self.parallel.strategy}'")
         par = self.parallel
+        if par.strategy == "auto":  # decided at launch (plan/auto.py), then validated in full
+            for name in ("tp_size", "pp_size"):
+                _check(getattr(par, name) == 1, f"parallel.{name}", getattr(par, name),
+                       "1 with parallel.strategy auto (the plan chooses the model-parallel sizes)")
+        else:
+            strat = STRATEGIES[par.strategy]
+            validate_parallel_dims(self)
+            n = ParallelDims.from_config(self).dp  # the strategy spans the data-parallel ranks
+            _check(strat.min_workers <= n and (strat.max_workers is None or n <= strat.max_workers),
+                   "scaling.num_workers", self.scaling.num_workers,
+                   f"{strat.describe_workers()} per model replica (data-parallel size {n}) for "
+                   f"parallel.strategy '{par.strategy}'")
+        t = self.train
+        if self.data.batch_size == "auto":
+            _check(t.global_batch_size is not None, "train.global_batch_size", None,
+                   "an integer >= 1 when data.batch_size is auto (samples per optimizer step)")
+            _check(t.grad_accum_steps == 1, "train.grad_accum_steps", t.grad_accum_steps,
+                   "1 (unset) when data.batch_size is auto: it is derived from the global batch")
+        elif t.global_batch_size is not None:  # given beside an explicit batch: must agree
+            dp = self.scaling.num_workers if par.strategy == "auto" else ParallelDims.from_config(self).dp
+            product = self.data.batch_size * t.grad_accum_steps * dp
+            _check(t.global_batch_size == product, "train.global_batch_size", t.global_batch_size,
+                   f"null, or data.batch_size ({self.data.batch_size}) x train.grad_accum_steps "
+                   f"({t.grad_accum_steps}) x data-parallel workers ({dp}) = {product}")
         for name in ("mixed_precision", "cpu_offload"):
             _check(self.scaling.use_gpu or not getattr(par, name), f"parallel.{name}",
                    getattr(par, name), "false when scaling.use_gpu is false (GPU-only FSDP option)")
@@ -311,7 +369,8 @@ class JobConfig:
         t, d, s = self.train, self.data, self.scaling
         stop = " / ".join(x for x in (
             f"{t.max_steps} steps" if t.max_steps else "", f"{t.epochs} epochs" if t.epochs else "") if x)
-        global_batch = d.batch_size * t.grad_accum_steps * s.num_workers
+        global_batch = (t.global_batch_size if d.batch_size == "auto"
+                        else d.batch_size * t.grad_accum_steps * s.num_workers)
         return (f"run '{self.run.name}': model {self.model.name} ({self.model.task}) on {d.source} data; "
                 f"{self.parallel.strategy} x {s.num_workers} worker(s) "
                 f"({'GPU' if s.use_gpu else 'CPU'}); micro-batch {d.batch_size} x accum "
@@ -334,7 +393,11 @@ def _build_section(cls: type, data: Any) -> Any:
     kwargs = {}
     for name, f in fields.items():
         if name in data:
-            kwargs[name] = _coerce(f"{section}.{name}", data[name], hints[name])
+            try:
+                kwargs[name] = _coerce(f"{section}.{name}", data[name], hints[name])
+            except ConfigError as exc:  # a field's own words for what it takes, where it has them
+                allowed = getattr(cls, "_ALLOWED", {}).get(name)
+                raise (ConfigError(exc.field, exc.value, allowed) if allowed else exc) from None
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{section}.{name}", None, "a value (required)")
     return cls(**kwargs)
@@ -347,7 +410,13 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(path, value, inner[0])
+        allowed = []
+        for option in inner:  # the first type that takes the value (int before str: 8 stays 8)
+            try:
+                return _coerce(path, value, option)
+            except ConfigError as exc:
+                allowed.append(exc.allowed)
+        raise ConfigError(path, value, " or ".join(allowed) + (" or null" if type(None) in args else ""))
     if tp is bool:
         _check(isinstance(value, bool), path, value, "true or false")
         return value

@@ -24,6 +24,11 @@ class ConfigError(UserError):
         self.field, self.value, self.allowed = field, value, allowed
         super().__init__(f"{field} = {value!r}: expected {allowed}")
 
+    def __reduce__(self):
+        # Raised in a Ray worker, it is pickled to reach the driver: rebuild it from
+        # its three fields (Exception's default would call __init__ with the message).
+        return (type(self), (self.field, self.value, self.allowed))
+
 
 class DataError(UserError):
     """The data named by the config cannot be used (missing, empty, wrong schema)."""

@@ -12,20 +12,23 @@ PosixPath('runs/quickstart/export')
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Collection
 
 import torch
 import yaml
+from torch import nn
 
-from raytrain_platform.config import load_config
+from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.core.checkpoint import WEIGHTS_FILE, read_state, read_weights, write_weights
 from raytrain_platform.core.sharded import load_full_model_state
 from raytrain_platform.errors import CheckpointError, ConfigError
 from raytrain_platform.models import build_model
 from raytrain_platform.rundir import CONFIG_FILE, STATE_FILE, latest_checkpoint, write_json
 
-__all__ = ["export_checkpoint", "EXPORT_INFO_FILE"]
+__all__ = ["export_checkpoint", "load_model_for_inference", "EXPORT_INFO_FILE"]
 
 EXPORT_INFO_FILE = "export.json"
 
@@ -37,11 +40,11 @@ def _find_checkpoint(path: Path) -> Path:
         latest = latest_checkpoint(path)
         if latest is not None:
             return latest
-    raise CheckpointError(f"{path}: not a checkpoint directory (no {STATE_FILE}) nor a run "
-                          "directory with a complete checkpoint")
+    raise CheckpointError(f"{path}: not a checkpoint directory (no {STATE_FILE}), a run "
+                          f"directory with a complete checkpoint, nor an export (no {EXPORT_INFO_FILE})")
 
 
-def _load_job_config(ckpt: Path):
+def _load_job_config(ckpt: Path) -> JobConfig:
     path = ckpt / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{ckpt}: no {CONFIG_FILE} (partial checkpoint)")
@@ -51,28 +54,63 @@ def _load_job_config(ckpt: Path):
         raise CheckpointError(f"{path}: unusable config ({exc})") from None
 
 
+def _read_export_info(directory: Path) -> dict:
+    try:
+        info = json.loads((directory / EXPORT_INFO_FILE).read_text())
+        return {"step": int(info["step"]), "metrics": dict(info.get("metrics") or {})}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{directory / EXPORT_INFO_FILE}: unreadable ({exc})") from None
+
+
+def load_model_for_inference(path: str | os.PathLike, *, models: Collection[str] | None = None
+                             ) -> tuple[nn.Module, JobConfig, dict]:
+    """The model a run directory (its latest checkpoint), a checkpoint (sharded or not)
+    or an export holds, its weights loaded without running code, in eval mode on the CPU.
+
+    Returns ``(model, config, info)``; `info` holds ``source``, ``step``, ``metrics``,
+    ``sharded_source``, ``model`` (name, kwargs) and ``num_params``. With `models`, any
+    other ``model.name`` is refused before the model is built (no user code imported).
+    A missing, partial or mismatched checkpoint is a `CheckpointError`.
+
+    >>> model, cfg, info = load_model_for_inference("runs/quickstart")   # doctest: +SKIP
+    >>> info["step"], cfg.model.name                                      # doctest: +SKIP
+    (60, 'gpt')
+    """
+    src = Path(path)
+    if not src.exists():
+        raise CheckpointError(f"{src}: no such file or directory")
+    is_export = (src / EXPORT_INFO_FILE).is_file() and not (src / STATE_FILE).is_file()
+    ckpt = src if is_export else _find_checkpoint(src)
+    if is_export:
+        step_metrics, sharded = _read_export_info(ckpt), False
+    else:
+        state = read_state(ckpt)
+        step_metrics = {"step": state["state"]["step"], "metrics": state.get("metrics", {})}
+        sharded = bool(state.get("sharded"))
+    cfg = _load_job_config(ckpt)
+    if models is not None and cfg.model.name not in models:
+        raise CheckpointError(f"{ckpt}: model.name = {cfg.model.name!r}; expected one of {sorted(models)}")
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model)  # plain, on the CPU: the full tensors DCP fills in
+    weights = load_full_model_state(ckpt, model) if sharded else read_weights(ckpt, model)
+    model.load_state_dict(weights)  # names and shapes checked once more, against the model
+    model.eval()
+    info = {"source": str(ckpt.resolve()), **step_metrics, "sharded_source": sharded,
+            "model": {"name": cfg.model.name, "kwargs": cfg.model.kwargs},
+            "num_params": sum(p.numel() for p in model.parameters())}
+    return model, cfg, info
+
+
 def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Write ``model.safetensors`` + ``config.yaml`` + ``export.json`` into `out`
     (default: ``export/`` next to the checkpoint, i.e. in its run directory).
 
     `path` is a run directory (its latest checkpoint is used) or a checkpoint directory."""
-    ckpt = _find_checkpoint(Path(path))
-    state = read_state(ckpt)
-    cfg = _load_job_config(ckpt)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)  # plain, on the CPU: the full tensors DCP fills in
-    if state.get("sharded"):
-        weights = load_full_model_state(ckpt, model)
-    else:
-        weights = read_weights(ckpt, model)
-    model.load_state_dict(weights)  # names and shapes checked once more, against the model
+    model, cfg, info = load_model_for_inference(path)
+    ckpt = Path(info["source"])
     target = Path(out) if out is not None else ckpt.parent / "export"
     target.mkdir(parents=True, exist_ok=True)
     write_weights(target / WEIGHTS_FILE, model, kind="export")
     (target / CONFIG_FILE).write_text(cfg.to_yaml())
-    write_json(target / EXPORT_INFO_FILE, {
-        "source": str(ckpt.resolve()), "step": state["state"]["step"],
-        "metrics": state.get("metrics", {}), "sharded_source": bool(state.get("sharded")),
-        "model": {"name": cfg.model.name, "kwargs": cfg.model.kwargs},
-        "num_params": sum(p.numel() for p in model.parameters())})
+    write_json(target / EXPORT_INFO_FILE, info)
     return target

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from raytrain_platform.config import JobConfig
 from raytrain_platform.data.sources import DataInfo, SourceSpec, describe
 from raytrain_platform.errors import ConfigError, DataError
+from raytrain_platform.parallel.dims import ParallelDims
+from raytrain_platform.plan.auto import Hardware, has_auto, local_hardware, resolve_auto
 
 __all__ = ["ResolvedJob", "resolve_job", "val_rounds"]
 
@@ -23,30 +25,33 @@ class ResolvedJob:
     data: DataInfo
     steps_per_epoch: int  # optimizer steps in one pass over the training split
     total_steps: int  # what the LR schedule spans
+    notes: tuple[str, ...] = ()  # what the `auto` fields became, and why (plan/auto.py)
 
     @property
     def rows_per_step(self) -> int:
         """Samples in one optimizer step over all ranks (the global batch)."""
         c = self.config
-        return c.scaling.num_workers * c.data.batch_size * c.train.grad_accum_steps
+        return ParallelDims.from_config(c).dp * c.data.batch_size * c.train.grad_accum_steps
 
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "data": dataclasses.asdict(self.data),
-                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps}
+                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                "notes": list(self.notes)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ResolvedJob":
         data = dict(d["data"])
         data["feature_columns"] = tuple(data.get("feature_columns", ()))
         return cls(config=JobConfig.from_dict(d["config"]), data=DataInfo(**data),
-                   steps_per_epoch=d["steps_per_epoch"], total_steps=d["total_steps"])
+                   steps_per_epoch=d["steps_per_epoch"], total_steps=d["total_steps"],
+                   notes=tuple(d.get("notes", ())))
 
 
 def val_rounds(job: ResolvedJob) -> int:
     """Whole rounds of one validation micro-batch per rank: every rank evaluates the
     same number of batches (resolve_job guarantees at least one round)."""
     cfg = job.config
-    return job.data.num_val // (cfg.data.batch_size * cfg.scaling.num_workers)
+    return job.data.num_val // (cfg.data.batch_size * ParallelDims.from_config(cfg).dp)
 
 
 def _fill_mlp(cfg: JobConfig, info: DataInfo) -> JobConfig:
@@ -62,19 +67,27 @@ def _fill_mlp(cfg: JobConfig, info: DataInfo) -> JobConfig:
                         "model.kwargs.num_outputs": kw["num_outputs"] or want_out})
 
 
-def resolve_job(cfg: JobConfig) -> ResolvedJob:
-    """Raises `DataError` / `ConfigError` with one line naming the problem."""
+def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJob:
+    """Raises `DataError` / `ConfigError` with one line naming the problem.
+
+    ``auto`` fields are decided here, on `hardware` (the cluster's, from the launcher)
+    or, without it, on this machine (plan/auto.py)."""
     if cfg.model.name == "mlp" and cfg.data.source == "synthetic" and cfg.model.task == "lm":
         raise ConfigError("model.name", "mlp", "gpt for lm data")
     info = describe(SourceSpec.from_config(cfg))
     if cfg.model.name == "mlp":
         cfg = _fill_mlp(cfg, info)
-    world, batch, accum = cfg.scaling.num_workers, cfg.data.batch_size, cfg.train.grad_accum_steps
+    notes: list[str] = []
+    if has_auto(cfg):
+        cfg, notes = resolve_auto(cfg, hardware or local_hardware(cfg))
+    # Data-parallel ranks: the ranks of one TP/PP group read the same micro-batches.
+    world, batch, accum = ParallelDims.from_config(cfg).dp, cfg.data.batch_size, cfg.train.grad_accum_steps
     per_step = world * batch * accum
     if info.num_train == 0:
         raise DataError(f"data.source = {cfg.data.source!r}: the training split is empty")
-    # Each epoch deals whole rounds of one micro-batch per rank (see data/ray_data.py).
-    rounds = info.num_train // (world * batch)
+    # Each epoch deals whole rounds of one micro-batch per rank (see data/ray_data.py);
+    # unsplit, every rank reads the whole split.
+    rounds = info.num_train // ((world if cfg.data.split_across_workers else 1) * batch)
     steps_per_epoch = rounds // accum
     if steps_per_epoch == 0:
         raise DataError(
@@ -92,4 +105,5 @@ def resolve_job(cfg: JobConfig) -> ResolvedJob:
         limits.append(cfg.train.max_steps)
     if cfg.train.epochs:
         limits.append(cfg.train.epochs * steps_per_epoch)
-    return ResolvedJob(config=cfg, data=info, steps_per_epoch=steps_per_epoch, total_steps=min(limits))
+    return ResolvedJob(config=cfg, data=info, steps_per_epoch=steps_per_epoch, total_steps=min(limits),
+                       notes=tuple(notes))

@@ -65,7 +65,10 @@ def ray_cluster():
     """One real local Ray per test module (start-up is the expensive part)."""
     import ray
 
+    from raytrain_platform.launch.trainer import JOB_ENV
+
+    # The job's environment as `rtp train` sets it.
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0"}})
+             runtime_env={"env_vars": dict(JOB_ENV)})
     yield
     ray.shutdown()

@@ -16,3 +16,20 @@ def test_train_vs_loop_smoke():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("Ray Data from Parquet vs in-memory loop") == 2
     assert "quickstart data wait" in proc.stdout
+
+
+def test_serve_bench_smoke():
+    proc = subprocess.run([sys.executable, "benchmarks/serve_bench.py", "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| mlp-small | on | 4 | 16 |" in proc.stdout and "| gpt | off | 1 | 4 |" in proc.stdout
+    assert "batching gives" in proc.stdout
+
+
+def test_strategies_smoke():
+    """Every layout of the README's strategy table still trains (3 steps each)."""
+    proc = subprocess.run([sys.executable, "benchmarks/strategies.py", "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "MiB" in line]
+    assert len(rows) == 10, proc.stdout  # one per layout: none ... pp2 x ddp2

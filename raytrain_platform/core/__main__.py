@@ -22,6 +22,7 @@ from raytrain_platform.core.dist import barrier, init_torchrun
 from raytrain_platform.core.engine import run_training
 from raytrain_platform.data.local import LocalBatches
 from raytrain_platform.errors import UserError
+from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.resolve import resolve_job
 from raytrain_platform.rundir import CONFIG_FILE, checkpoint_name, latest_checkpoint, prune_checkpoints
 
@@ -49,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-        cfg = cfg.replace({"run.storage_path": os.path.abspath(cfg.run.storage_path)})
+        # The worker count is torchrun's, set before validation (tp/pp sizes must divide it).
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        cfg = cfg.replace({"scaling.num_workers": world})
+        cfg = load_config(args.config, [*args.overrides, f"scaling.num_workers={world}"])
+        cfg = cfg.replace({"run.storage_path": os.path.abspath(cfg.run.storage_path)})
         job = resolve_job(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
     barrier()
     resume = latest_checkpoint(run_dir)
-    final = run_training(job, env, source=LocalBatches(job, rank=env.rank, world_size=env.world_size),
+    dims = ParallelDims.from_config(cfg)  # data-parallel coordinates: TP/PP groups share batches
+    source = LocalBatches(job, rank=dims.data_rank(env.rank), world_size=dims.dp)
+    final = run_training(job, env, source=source,
                          reporter=LocalReporter(run_dir, cfg.run.keep_checkpoints, env.is_rank0),
                          resume_dir=str(resume) if resume else None, run_dir=str(run_dir))
     if env.is_rank0:

@@ -24,9 +24,11 @@ from raytrain_platform.core.checkpoint import TrainState, load_checkpoint, save_
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
 from raytrain_platform.core.memory import state_bytes
 from raytrain_platform.core.optim import build_optimizer, lr_at
+from raytrain_platform.core.profile import StepProfiler
 from raytrain_platform.models import build_model
 from raytrain_platform.models.tasks import get_task
-from raytrain_platform.parallel.registry import get_strategy
+from raytrain_platform.parallel.dims import ParallelDims
+from raytrain_platform.parallel.registry import parallelize
 from raytrain_platform.resolve import ResolvedJob
 from raytrain_platform.rundir import MetricsLog
 
@@ -64,14 +66,18 @@ def _reseed(seed: int, device: torch.device) -> None:
 
 
 class Engine:
-    def __init__(self, job: ResolvedJob, env: DistEnv, *, run_dir: str | None = None):
+    def __init__(self, job: ResolvedJob, env: DistEnv, *, run_dir: str | None = None,
+                 profiler: StepProfiler | None = None):
         self.job, self.cfg, self.env = job, job.config, env
         self.run_dir = run_dir
+        self.profiler = profiler  # `rtp doctor`'s measured runs (core/profile.py)
         self.task = get_task(self.cfg.model.task)
         torch.manual_seed(self.cfg.train.seed)  # identical initial weights on every rank
         model = build_model(self.cfg.model).to(env.device)
-        apply = get_strategy(self.cfg.parallel.strategy).load()
-        self.par = apply(model, env=env, cfg=self.cfg.parallel)
+        self.par = parallelize(model, env=env, cfg=self.cfg.parallel)
+        # Data-parallel coordinates: ranks of one TP/PP group read the same micro-batches.
+        dims = ParallelDims.from_config(self.cfg)
+        self.data_world, self.data_rank = dims.dp, dims.data_rank(env.rank)
         self.optimizer = build_optimizer(self.par.module, self.cfg.train)
         self.state = TrainState()
         self._memory: dict[str, int] | None = None  # measured once, at the first optimizer step
@@ -83,7 +89,7 @@ class Engine:
 
     def restore(self, directory: str) -> None:
         self.state = load_checkpoint(directory, par=self.par, optimizer=self.optimizer,
-                                     device=self.env.device, world_size=self.env.world_size,
+                                     device=self.env.device, world_size=self.data_world,
                                      batch_size=self.cfg.data.batch_size,
                                      epoch_rows=self.job.steps_per_epoch * self.job.rows_per_step)
 
@@ -91,7 +97,7 @@ class Engine:
         save_checkpoint(directory, par=self.par, optimizer=self.optimizer, state=self.state,
                         lr=self.optimizer.param_groups[0]["lr"], config_yaml=self._config_yaml,
                         metrics=metrics, is_rank0=self.env.is_rank0,
-                        world_size=self.env.world_size, batch_size=self.cfg.data.batch_size)
+                        world_size=self.data_world, batch_size=self.cfg.data.batch_size)
 
     # ------------------------------------------------------------ steps
 
@@ -106,6 +112,10 @@ class Engine:
     def micro_step(self, batch: Batch, *, sync: bool) -> torch.Tensor:
         inputs, targets = self.task.split(batch)
         accum = self.cfg.train.grad_accum_steps
+        if self.par.pipeline is not None:  # PP: the schedule runs forward and backward
+            with self.autocast:
+                return self.par.pipeline.train(
+                    inputs, targets, lambda out, tgt: self.task.loss(out, tgt) / accum, sync=sync)
         with contextlib.nullcontext() if sync else self.par.no_sync():
             with self.autocast:
                 loss = self.task.loss(self.par.module(inputs), targets) / accum
@@ -117,7 +127,9 @@ class Engine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         grad_norm = 0.0
-        if self.cfg.train.grad_clip > 0:
+        if self.cfg.train.grad_clip > 0 and self.par.clip_grad_norm is not None:  # TP / PP
+            grad_norm = self.par.clip_grad_norm(self.cfg.train.grad_clip)
+        elif self.cfg.train.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.par.module.parameters(), self.cfg.train.grad_clip)
             grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         self.optimizer.step()
@@ -140,6 +152,9 @@ class Engine:
         for batch in batches:
             inputs, targets = self.task.split(self._to_device(batch))
             with self.autocast:
+                if self.par.pipeline is not None:  # sums on the last stage, zeros before it
+                    sums += self.par.pipeline.evaluate(inputs, targets, self.task.eval_sums).cpu()
+                    continue
                 outputs = self.par.module(inputs)
             sums += self.task.eval_sums(outputs, targets).cpu()
         self.par.module.train()
@@ -170,9 +185,12 @@ class Engine:
         while self.state.step < total:
             it = self._epoch_iter(source)
             while self.state.step < total:
-                _reseed(_seed_for(cfg.train.seed, self.state.step, self.env.rank), self.env.device)
+                _reseed(_seed_for(cfg.train.seed, self.state.step, self.data_rank), self.env.device)
                 loss_sum, data_wait, n_units, got = torch.zeros((), device=self.env.device), 0.0, 0, 0
                 comm_before = self.par.comm.calls
+                mode = self.profiler.mode(self.state.step) if self.profiler else None
+                apart = mode == "breakdown" and self.par.sync_grads is not None
+                t_step, compute = time.perf_counter(), 0.0
                 for micro in range(accum):
                     t0 = time.perf_counter()
                     batch = next(it, None)
@@ -180,15 +198,30 @@ class Engine:
                     if batch is None:
                         break
                     batch = self._to_device(batch)
+                    if mode:
+                        self.profiler.see(self.state.epoch, batch["sample_id"])
                     n_units += batch["sample_id"].numel() * self.task.units_per_sample(batch)
-                    loss_sum += self.micro_step(batch, sync=micro == accum - 1)
+                    t1 = time.perf_counter()
+                    loss_sum += self.micro_step(batch, sync=micro == accum - 1 and not apart)
+                    compute += self._since(t1, mode)
                     got += 1
                 if got < accum:  # end of epoch (only whole steps are dealt, so got == 0)
                     break
+                t2 = time.perf_counter()
+                if apart:
+                    self.par.sync_grads()
+                comm = self._since(t2, mode)
+                t3 = time.perf_counter()
                 grad_norm = self.optimizer_step()
+                if mode:
+                    self.profiler.record(step=self.state.step, mode=mode, data_wait_s=data_wait,
+                                         compute_s=compute, comm_s=comm if apart else None,
+                                         optimizer_s=self._since(t3, mode),
+                                         step_s=self._since(t_step, mode),
+                                         samples=accum * cfg.data.batch_size)
                 self.state.step += 1
                 self.state.batches_in_epoch += accum
-                self.state.samples_seen += accum * cfg.data.batch_size * self.env.world_size
+                self.state.samples_seen += accum * cfg.data.batch_size * self.data_world
                 window["steps"] += 1
                 window["wait"] += data_wait
                 window["units"] += n_units
@@ -215,7 +248,16 @@ class Engine:
             else:
                 break
             self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
+        if self.profiler:
+            self.profiler.finish(rank=self.env.rank, world_size=self.env.world_size,
+                                 data_rank=self.data_rank, run_dir=self.run_dir)
         return last_metrics
+
+    def _since(self, t0: float, mode: str | None) -> float:
+        """Seconds since `t0`; when profiling, after the device has finished its queued work."""
+        if mode and self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        return time.perf_counter() - t0
 
     def _step_metrics(self, loss_sum: torch.Tensor, elapsed: float, window: dict,
                       grad_norm: float, comm_calls: int) -> dict:
@@ -224,13 +266,15 @@ class Engine:
         # One small all-reduce: the loss of the whole global batch, not of rank 0's part.
         packed = all_reduce_sum(torch.stack([loss_sum.float(), torch.tensor(
             float(window["units"]), device=loss_sum.device)]))
-        world, steps = self.env.world_size, window["steps"]
+        # Each data-parallel group's loss and units are counted on `copies` ranks (TP/PP).
+        world, steps = self.data_world, window["steps"]
+        copies = self.env.world_size // world
         step_time = elapsed / steps
         samples = self.cfg.train.grad_accum_steps * self.cfg.data.batch_size * world * steps
         metrics = {
             "step": self.state.step,
             "epoch": self.state.epoch,
-            "loss": float(packed[0]) / world,
+            "loss": float(packed[0]) / (self.par.loss_ranks or self.env.world_size),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm,
             "samples_per_s": samples / elapsed,
@@ -240,7 +284,7 @@ class Engine:
             "samples_seen": self.state.samples_seen,
         }
         if self.task.name == "lm":
-            metrics["tokens_per_s"] = float(packed[1]) / elapsed
+            metrics["tokens_per_s"] = float(packed[1]) / copies / elapsed
         metrics.update(self._memory or {})
         if self.env.device.type == "cuda":
             metrics["peak_mem_bytes"] = torch.cuda.max_memory_allocated(self.env.device)
@@ -248,9 +292,10 @@ class Engine:
 
 
 def run_training(job: ResolvedJob, env: DistEnv, *, source: BatchSource, reporter: Reporter,
-                 resume_dir: str | None, run_dir: str | None) -> dict:
+                 resume_dir: str | None, run_dir: str | None,
+                 profiler: StepProfiler | None = None) -> dict:
     """Build, restore if asked, train to the end; returns the last reported metrics."""
-    engine = Engine(job, env, run_dir=run_dir)
+    engine = Engine(job, env, run_dir=run_dir, profiler=profiler)
     if resume_dir:
         engine.restore(resume_dir)
     log = MetricsLog(run_dir, resume_step=engine.state.step) if (run_dir and env.is_rank0) else None

@@ -42,18 +42,20 @@ class LocalBatches:
         self.spec = SourceSpec.from_config(job.config)
         self.batch = job.config.data.batch_size
 
-    def _strided(self, split: str, limit_rounds: int | None) -> Iterator[dict[str, torch.Tensor]]:
+    def _strided(self, split: str, limit_rounds: int | None, *,
+                 world: int) -> Iterator[dict[str, torch.Tensor]]:
         stream = _rebatch(sources.iter_source(self.spec, split, self.job.data.feature_columns),
                           self.batch)
         for j, b in enumerate(stream):
-            if limit_rounds is not None and j >= limit_rounds * self.world:
+            if limit_rounds is not None and j >= limit_rounds * world:
                 return
-            if j % self.world == self.rank:
+            if j % world == self.rank % world:
                 yield {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in b.items()}
 
     def train_epoch(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
-        rounds = self.job.data.num_train // (self.world * self.batch)
-        return self._strided("train", rounds)
+        # Unsplit (data.split_across_workers false): every rank reads every micro-batch.
+        world = self.world if self.job.config.data.split_across_workers else 1
+        return self._strided("train", self.job.data.num_train // (world * self.batch), world=world)
 
     def val_batches(self, n: int) -> list[dict[str, torch.Tensor]]:
-        return list(self._strided("val", min(n, val_rounds(self.job))))
+        return list(self._strided("val", min(n, val_rounds(self.job)), world=self.world))

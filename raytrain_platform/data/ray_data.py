@@ -19,6 +19,7 @@ import numpy as np
 
 from raytrain_platform.data import sources
 from raytrain_platform.data.sources import DataInfo, SourceSpec
+from raytrain_platform.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     import ray.data
@@ -69,8 +70,15 @@ def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...]) -> 
         return ds.map_batches(_TextWindows(spec, split), batch_size=16, batch_format="numpy")
     if spec.kind == "synthetic":
         ids = sources.synthetic_ids(spec, split)
-        ds = ray.data.from_numpy(ids).rename_columns({"data": "id"})
-        return ds.map_batches(_Synthetic(spec), batch_size=4096, batch_format="numpy")
+        rate = spec.max_read_rows_per_s
+        if not rate:
+            ds = ray.data.from_numpy(ids).rename_columns({"data": "id"})
+            return ds.map_batches(_Synthetic(spec), batch_size=4096, batch_format="numpy")
+        # Throttled: tasks of a tenth of a second each, so rows stream at the rate rather
+        # than all at once at the end of one long task.
+        piece = max(16, int(rate // 10))
+        ds = ray.data.from_items([{"id": int(i)} for i in ids], override_num_blocks=-(-ids.size // piece))
+        return ds.map_batches(_Synthetic(spec), batch_size=piece, batch_format="numpy")
     root, rspec, field = sources._parquet_root_for(spec, split)
     chunks, _ = sources.parquet_chunks(root, rspec, field)
     items = [{"path": c.path, "row_group": c.row_group, "first_id": c.first_id,
@@ -89,7 +97,8 @@ def build_datasets(cfg: "JobConfig", info: DataInfo) -> dict[str, "ray.data.Data
         if rows == 0:
             continue
         ds = _source_dataset(spec, split, info.feature_columns)
-        if world > 1 and split == "train":
+        if world > 1 and split == "train" and cfg.data.split_across_workers and \
+                not ParallelDims.from_config(cfg).model_parallel:
             # Exactly one micro-batch per block: the streaming split then deals
             # micro-batches round-robin (see the module docstring).
             ds = ds.repartition(target_num_rows_per_block=batch, strict=True)

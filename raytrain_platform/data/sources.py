@@ -14,6 +14,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -78,6 +79,7 @@ class SourceSpec:
     seed: int = 0
     feature_columns: tuple[str, ...] = ()
     label_column: str = "label"
+    max_read_rows_per_s: float | None = None  # a read task sleeps to stay under this rate
 
     @classmethod
     def from_config(cls, cfg: "JobConfig") -> "SourceSpec":
@@ -87,7 +89,15 @@ class SourceSpec:
                    path=d.path, val_path=d.val_path, glob=d.glob, max_files=d.max_files,
                    num_samples=d.num_samples, num_features=d.num_features,
                    num_classes=d.num_classes, seed=d.seed,
-                   feature_columns=tuple(d.feature_columns or ()), label_column=d.label_column)
+                   feature_columns=tuple(d.feature_columns or ()), label_column=d.label_column,
+                   max_read_rows_per_s=d.max_read_rows_per_s)
+
+    def throttle(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Sleep as long as reading these rows takes at ``max_read_rows_per_s`` (no-op
+        without a limit): slow storage on demand, which `rtp doctor`'s tests rely on."""
+        if self.max_read_rows_per_s:
+            time.sleep(rows["sample_id"].shape[0] / self.max_read_rows_per_s)
+        return rows
 
 
 @dataclass(frozen=True)
@@ -139,7 +149,7 @@ def text_windows(file_index: int, path: str, spec: SourceSpec, split: str) -> di
     ids = text_window_ids(file_index, raw.size, spec.seq_len)
     keep = split_mask(ids, spec.val_fraction, split)
     tokens = raw[: n * spec.seq_len].reshape(n, spec.seq_len)[keep]
-    return {"tokens": tokens, "sample_id": ids[keep]}
+    return spec.throttle({"tokens": tokens, "sample_id": ids[keep]})
 
 
 # ---------------------------------------------------------------- synthetic
@@ -180,7 +190,7 @@ def synthetic_rows(ids: np.ndarray, spec: SourceSpec) -> dict[str, np.ndarray]:
             parts.setdefault(key, []).append(value[sel])
     out = {k: np.concatenate(v) for k, v in parts.items()}
     out["sample_id"] = ids
-    return out
+    return spec.throttle(out)
 
 
 def synthetic_ids(spec: SourceSpec, split: str) -> np.ndarray:
@@ -297,7 +307,7 @@ def read_parquet_chunk(chunk: ParquetChunk, spec: SourceSpec, features: tuple[st
     y = y.astype(np.int64 if spec.task == "classification" else np.float32, copy=False)
     if not np.isfinite(x).all():
         raise DataError(f"{chunk.path}: row group {chunk.row_group} has NaN or infinite features")
-    return {"x": x[keep], "y": y[keep], "sample_id": ids[keep]}
+    return spec.throttle({"x": x[keep], "y": y[keep], "sample_id": ids[keep]})
 
 
 # ---------------------------------------------------------------- shared

@@ -12,14 +12,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from raytrain_platform.config import JobConfig, load_config
+from raytrain_platform.plan.auto import Hardware, cpu_hardware, has_auto
+from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.resolve import ResolvedJob, resolve_job
 from raytrain_platform.rundir import (CONFIG_FILE, SUMMARY_FILE, best_checkpoint, latest_checkpoint,
                                       plot_run, prune_checkpoints, read_metrics, write_json)
 
-__all__ = ["TrainResult", "train", "prepare", "format_progress"]
+__all__ = ["TrainResult", "train", "run_job", "prepare", "init_ray", "cluster_hardware", "format_progress"]
 
 _QUIET_ENV = {
     "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
@@ -40,8 +42,10 @@ class TrainResult:
         return self.metrics[-1] if self.metrics else {}
 
 
-def prepare(config: Any, overrides: list[str] | None = None) -> ResolvedJob:
-    """Load, validate and resolve: everything that can fail before Ray starts."""
+def prepare(config: Any, overrides: list[str] | None = None,
+            hardware: "Hardware | None" = None) -> ResolvedJob:
+    """Load, validate and resolve: everything that can fail before Ray starts. ``auto``
+    fields are decided on `hardware` (default: this machine; see `cluster_hardware`)."""
     cfg = load_config(config, overrides)
     # Ray workers and Ray Data tasks do not share the driver's working directory:
     # local paths are made absolute here, URIs are left as they are.
@@ -49,7 +53,7 @@ def prepare(config: Any, overrides: list[str] | None = None) -> ResolvedJob:
                    "data.val_path": cfg.data.val_path}
     cfg = cfg.replace({key: os.path.abspath(os.path.expanduser(value))
                        for key, value in local_paths.items() if value and "://" not in value})
-    return resolve_job(cfg)
+    return resolve_job(cfg, hardware)
 
 
 def format_progress(m: dict, total: int) -> str:
@@ -72,9 +76,12 @@ def format_progress(m: dict, total: int) -> str:
 # read tasks (still at 15), so ingest uses CPU the step leaves idle rather than taking
 # turns with it (benchmarks/train_vs_loop.py measures the effect).
 _TRAIN_WORKER_ENV = {"RAY_worker_niceness": "0"}
+JOB_ENV = dict(_QUIET_ENV)  # every process of the job
 
 
-def _init_ray(address: str | None, verbose: bool) -> None:
+def init_ray(address: str | None, verbose: bool) -> None:
+    """Connect to `address` (or ``RAY_ADDRESS``), else start a fresh embedded Ray; no-op
+    when connected. The job's processes get `JOB_ENV` (quiet logs)."""
     import ray
 
     for k, v in _QUIET_ENV.items():
@@ -83,7 +90,7 @@ def _init_ray(address: str | None, verbose: bool) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict = {"log_to_driver": verbose, "logging_level": "INFO" if verbose else "WARNING",
-                    "runtime_env": {"env_vars": dict(_QUIET_ENV)}}
+                    "runtime_env": {"env_vars": dict(JOB_ENV)}}
     if address:
         ray.init(address=address, **kwargs)
     else:
@@ -108,7 +115,10 @@ def _check_cpu_headroom(cfg: JobConfig) -> None:
                           "needs at least 0.5 of them to feed the workers")
 
 
-def _build_trainer(job: ResolvedJob, resume_from: Path | None):
+def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequence[Any] = (),
+                   profile: dict | None = None):
+    """`callbacks`: Ray Train ``UserCallback``s for the RunConfig (a sweep trial passes
+    its Tune reporting callback). `profile`: see `run_job`."""
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -127,16 +137,22 @@ def _build_trainer(job: ResolvedJob, resume_from: Path | None):
         name=cfg.run.name, storage_path=cfg.run.storage_path,
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+        callbacks=list(callbacks),
         worker_runtime_env={"env_vars": {**_QUIET_ENV, **_TRAIN_WORKER_ENV}})
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job.to_dict(),
-                           "resume_from": str(resume_from) if resume_from else None},
+                           "resume_from": str(resume_from) if resume_from else None,
+                           "profile": profile},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
         datasets=datasets,
-        dataset_config=DataConfig(datasets_to_split=["train"], execution_options=ingest_options()),
+        dataset_config=DataConfig(
+            # TP/PP: unsplit, each rank strides over data-parallel ranks (launch/worker.py).
+            datasets_to_split=["train"] if cfg.data.split_across_workers
+            and not ParallelDims.from_config(cfg).model_parallel else [],
+            execution_options=ingest_options()),
     )
 
 
@@ -158,28 +174,74 @@ def train(config: Any, overrides: list[str] | None = None, *, address: str | Non
     """Train from a YAML path, a dict or a `JobConfig` on an embedded local Ray (default)
     or the cluster at `address` / ``RAY_ADDRESS``. Rerunning the same ``run.name`` in the
     same storage resumes from its latest checkpoint."""
-    job = prepare(config, overrides)
+    emit = (lambda line: print(line, flush=True)) if progress else (lambda line: None)
+    cfg = load_config(config, overrides)
+    if has_auto(cfg):  # decided against the cluster it will run on
+        init_ray(address, verbose)
+        job = prepare(cfg, hardware=cluster_hardware(cfg))
+    else:
+        job = prepare(cfg)
+        init_ray(address, verbose)
+    emit(job.config.summary())
+    for note in job.notes:
+        emit(note)
+    return run_job(job, emit=emit)
+
+
+def _gpu_memory() -> tuple[int, str]:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+
+
+def cluster_hardware(cfg: JobConfig) -> Hardware:
+    """What the job's workers will have on the connected Ray cluster: one GPU each
+    (its memory measured by a task on a GPU node), or CPU memory per worker."""
+    import ray
+
+    from raytrain_platform.errors import ConfigError
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    n = cfg.scaling.num_workers
+    if cfg.scaling.use_gpu:
+        per_node = max(int(r.get("GPU", 0)) for r in nodes)
+        if per_node == 0:
+            raise ConfigError("scaling.use_gpu", True, "false on this cluster: it has no GPUs")
+        mem, name = ray.get(ray.remote(num_gpus=1, num_cpus=0)(_gpu_memory).remote())
+        return Hardware.for_workers(n, per_node, device_memory=mem, headroom=0.1,
+                                    source=f"{name}, {mem / 2**30:.1f} GiB")
+    per_node = max(int(r.get("CPU", 0) // cfg.scaling.cpus_per_worker) for r in nodes)
+    node_memory = max(int(r.get("memory", 0)) for r in nodes)
+    return cpu_hardware(cfg, node_memory=node_memory, workers_per_node=per_node)
+
+
+def run_job(job: ResolvedJob, *, emit: Callable[[str], None], callbacks: Sequence[Any] = (),
+            tail: bool = True, profile: dict | None = None) -> TrainResult:
+    """Run one prepared job on the Ray this process is connected to, resuming from its
+    run directory's latest checkpoint; `train`, each sweep trial and `rtp doctor` call it.
+    `tail`: echo metrics.jsonl through `emit` while it trains. `profile`
+    (``{"measure_from": step, "breakdown_from": step}``, from the doctor) records per-step
+    timings and sample ids into the run directory's ``profile.json`` (core/profile.py)."""
     cfg = job.config
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
-    emit = (lambda line: print(line, flush=True)) if progress else (lambda line: None)
     resumed = latest_checkpoint(run_dir)
-    emit(cfg.summary())
     if resumed:
         emit(f"resuming from {resumed}")
     t0 = time.time()
-    _init_ray(address, verbose)
-    trainer = _build_trainer(job, resumed)
+    trainer = _build_trainer(job, resumed, callbacks, profile)
     stop = threading.Event()
-    tail = threading.Thread(target=_tail_progress, args=(run_dir, job.total_steps, stop, emit),
-                            daemon=True)
-    tail.start()
+    tailer = threading.Thread(target=_tail_progress, args=(run_dir, job.total_steps, stop, emit),
+                              daemon=True)
+    if tail:
+        tailer.start()
     try:
         trainer.fit()
     finally:
         stop.set()
-        tail.join()
+        if tail:
+            tailer.join()
     return finish_run(run_dir, wall_time_s=time.time() - t0, emit=emit,
                       keep=cfg.run.keep_checkpoints)
 

@@ -9,16 +9,20 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 
 from raytrain_platform.core.dist import DistEnv
 from raytrain_platform.core.engine import run_training
+from raytrain_platform.parallel.dims import ParallelDims
+from raytrain_platform.core.profile import StepProfiler
 from raytrain_platform.resolve import ResolvedJob, val_rounds
 from raytrain_platform.rundir import checkpoint_name
 
-__all__ = ["train_loop_per_worker"]
+__all__ = ["train_loop_per_worker", "deal"]
+
+T = TypeVar("T")
 
 
 def _as_tensors(batch: dict) -> dict[str, torch.Tensor]:
@@ -26,6 +30,20 @@ def _as_tensors(batch: dict) -> dict[str, torch.Tensor]:
         # Arrow-backed arrays are read-only; the engine never writes into a batch.
         warnings.simplefilter("ignore", UserWarning)
         return {k: torch.from_numpy(v) for k, v in batch.items()}
+
+
+def deal(batches: Iterable[T], *, rank: int, world: int, rounds: int) -> Iterator[T]:
+    """Micro-batch ``j`` of `batches` goes to data-parallel rank ``j % world``; only
+    `rounds` whole rounds are dealt.
+
+    >>> list(deal(range(7), rank=1, world=2, rounds=3))
+    [1, 3, 5]
+    """
+    for j, batch in enumerate(batches):
+        if j >= rounds * world:
+            return
+        if j % world == rank:
+            yield batch
 
 
 class RayBatches:
@@ -36,6 +54,12 @@ class RayBatches:
         import ray.train
 
         self.job, self.cfg, self.env = job, job.config, env
+        # Data-parallel coordinates: with TP/PP the train set is not split by Ray Train;
+        # every rank of a model replica reads it and keeps micro-batch j when
+        # j % dp == its dp rank (the same rule as Ray's split, over dp ranks only).
+        dims = ParallelDims.from_config(self.cfg)
+        self.data_rank, self.data_world, self.model_parallel = (
+            dims.data_rank(env.rank), dims.dp, dims.model_parallel)
         self.train_it = ray.train.get_dataset_shard("train")
         self.val_it = ray.train.get_dataset_shard("val") if job.data.num_val else None
 
@@ -53,19 +77,18 @@ class RayBatches:
     def train_epoch(self, epoch: int):
         d = self.cfg.data
         seed = (d.shuffle_seed if d.shuffle_seed is not None else self.cfg.train.seed) + epoch
+        if self.model_parallel:
+            return deal(self._iter(self.train_it, shuffle_seed=seed), rank=self.data_rank,
+                        world=self.data_world,
+                        rounds=self.job.data.num_train // (self.data_world * d.batch_size))
         return self._iter(self.train_it, shuffle_seed=seed)
 
     def val_batches(self, n: int):
         # The same count on every rank (whole rounds only): under FSDP every forward is a
         # collective, and a rank with one batch more would wait for the others forever.
-        rounds = min(n, val_rounds(self.job))
-        out = []
-        for j, batch in enumerate(self._iter(self.val_it, shuffle_seed=None)):
-            if j >= rounds * self.env.world_size:
-                break
-            if j % self.env.world_size == self.env.rank:
-                out.append(batch)
-        return out
+        # Ranks of one TP/PP group evaluate the same batches (their forwards are collective).
+        return list(deal(self._iter(self.val_it, shuffle_seed=None), rank=self.data_rank,
+                         world=self.data_world, rounds=min(n, val_rounds(self.job))))
 
 
 class RayReporter:
@@ -89,6 +112,16 @@ class RayReporter:
                 checkpoint_dir_name=checkpoint_name(metrics["step"]))
 
 
+def _warn_if_tp_spans_nodes(tp_size: int, local_world_size: int) -> None:
+    """Ray Train numbers the workers of one node consecutively and a TP group is
+    consecutive ranks: it stays on one node when the node's worker count is a multiple
+    of tp_size. Otherwise its per-block all-reduces cross the network: say so."""
+    if tp_size > 1 and local_world_size % tp_size:
+        warnings.warn(f"this node runs {local_world_size} worker(s), not a multiple of "
+                      f"parallel.tp_size ({tp_size}): a tensor-parallel group spans nodes and "
+                      "its all-reduces use the inter-node network (slow); keep TP inside a node")
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train
 
@@ -96,6 +129,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     cfg = job.config
     torch.set_num_threads(cfg.scaling.torch_threads or max(1, math.floor(cfg.scaling.cpus_per_worker)))
     env = DistEnv.current(use_gpu=cfg.scaling.use_gpu)
+    _warn_if_tp_spans_nodes(cfg.parallel.tp_size, ray.train.get_context().get_local_world_size())
     checkpoint = ray.train.get_checkpoint()
     source, reporter = RayBatches(job, env), RayReporter()
     # Ray knows the checkpoints of this fit (after a worker failure) and those its
@@ -103,10 +137,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # only the run directory knows: the driver found it and passes it. The newer wins
     # (names are checkpoint_<zero-padded step>).
     found = loop_config.get("resume_from")
+    common = dict(source=source, reporter=reporter, run_dir=cfg.run.run_dir,
+                  profiler=StepProfiler.from_dict(loop_config.get("profile")))
     if checkpoint is None or (found and Path(found).name > Path(checkpoint.path).name):
-        run_training(job, env, source=source, reporter=reporter, resume_dir=found,
-                     run_dir=cfg.run.run_dir)
+        run_training(job, env, resume_dir=found, **common)
         return
     with checkpoint.as_directory() as resume_dir:
-        run_training(job, env, source=source, reporter=reporter, resume_dir=resume_dir,
-                     run_dir=cfg.run.run_dir)
+        run_training(job, env, resume_dir=resume_dir, **common)

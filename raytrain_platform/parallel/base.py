@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 from torch import nn
 
@@ -30,3 +30,10 @@ class Parallelized:
     no_sync: Callable[[], ContextManager] = contextlib.nullcontext
     sharded: bool = False  # True: each rank holds only its shard (checkpoint with DCP)
     comm: CommCounter = field(default_factory=CommCounter)
+    # Model parallel (tp/pp) only; None keeps the engine's plain path.
+    clip_grad_norm: Callable[[float], float] | None = None  # max_norm -> total norm, all ranks
+    pipeline: Any = None  # a PipelineRunner (parallel/pp.py): runs forward+backward itself
+    loss_ranks: int | None = None  # ranks holding a loss (PP: last-stage ranks); None = all
+    # All-reduce the gradients now (after a backward run under no_sync): lets the doctor
+    # time communication on its own. None: the strategy cannot separate it (FSDP).
+    sync_grads: Callable[[], None] | None = None

@@ -26,10 +26,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 try:  # private in torch 2.13: without it, runs still train, only the count stays 0
@@ -62,14 +61,6 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return []
 
 
-def _mesh(env) -> DeviceMesh:
-    if not dist.is_initialized():
-        # A plain single process: FSDP still needs a group, so give it a private one-rank one.
-        backend = "nccl" if env.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return init_device_mesh(env.device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
-
-
 def _apply_activation_checkpointing(model: nn.Module) -> None:
     # checkpoint_wrapper keeps state_dict keys unchanged (its hooks strip the wrapper prefix).
     blocks = model.blocks  # type: ignore[attr-defined]
@@ -82,12 +73,16 @@ def _apply_activation_checkpointing(model: nn.Module) -> None:
             blocks[int(name)] = wrapped
 
 
-def apply_fsdp(model: nn.Module, *, env, cfg) -> Parallelized:
-    """Shard `model` (already on its device) across all ranks with FSDP2.
+def apply_fsdp(model: nn.Module, *, env, cfg, mesh: DeviceMesh | None = None) -> Parallelized:
+    """Shard `model` (already on its device) across all ranks with FSDP2, or across the
+    data-parallel `mesh` (a 1-D sub-mesh) when TP/PP divide the ranks (parallel/mesh.py).
 
     `cfg` is the `ParallelConfig`: ``mixed_precision`` (bf16 params, fp32 reduction),
     ``reshard_after_forward``, ``cpu_offload``, ``activation_checkpointing``."""
-    mesh = _mesh(env)
+    if mesh is None:  # FSDP alone: every rank is data parallel
+        from raytrain_platform.parallel.mesh import data_parallel_mesh
+
+        mesh = data_parallel_mesh(env)
     if cfg.activation_checkpointing:
         _apply_activation_checkpointing(model)
     options: dict = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}

@@ -11,4 +11,4 @@ __all__ = ["apply_none"]
 
 def apply_none(model: nn.Module, *, env, cfg) -> Parallelized:
     """No wrapping; used with exactly one worker."""
-    return Parallelized(module=model, base=model)
+    return Parallelized(module=model, base=model, sync_grads=lambda: None)  # nothing to sync

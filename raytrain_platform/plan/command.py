@@ -6,10 +6,6 @@ naming the flag), and the table / JSON output. No torch import.
     rtp plan --params 7e9 --layers 32 --hidden 4096 --seq-len 4096 --device-mem 80GiB --json
     rtp plan pipelines/configs/tabular.yaml --device-mem 16GiB
 
->>> parse_size("--device-mem", "80GiB"), parse_size("--device-mem", "24GB")
-(85899345920, 24000000000)
->>> parse_count("--params", "6.7B"), parse_count("--params", "125e6")
-(6700000000, 125000000)
 """
 
 from __future__ import annotations
@@ -23,29 +19,9 @@ from typing import Any
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
 from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, gpt_shape, mlp_shape, preset_shape
+from raytrain_platform.units import SIZE_HELP, parse_count, parse_size
 
 __all__ = ["add_plan_arguments", "run_plan", "parse_size", "parse_count", "format_plan", "plan_to_dict"]
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
-_NUMBER = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
-_SIZE_HELP = "a size like 80GiB or 24GB (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-
-
-def parse_size(flag: str, text: str) -> int:
-    match = re.fullmatch(_NUMBER + r"\s*([A-Za-z]*)", text.strip())
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
-        raise ConfigError(flag, text, _SIZE_HELP + ", > 0")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-def parse_count(flag: str, text: str) -> int:
-    match = re.fullmatch(_NUMBER + r"\s*([kKmMbBtT]?)", text.strip())
-    if match is None or float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()] < 1:
-        raise ConfigError(flag, text, "a count >= 1 like 125M, 7B or 6.7e9")
-    return int(float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()])
 
 
 def _int(flag: str, text: str | None, default: int | None = None) -> int | None:
@@ -71,7 +47,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                        ("--hidden", "hidden size"), ("--heads", "attention heads"),
                        ("--seq-len", "sequence length in tokens"), ("--vocab", "vocabulary size")):
         p.add_argument(flag, help=what)
-    p.add_argument("--device-mem", help="memory per device: " + _SIZE_HELP)
+    p.add_argument("--device-mem", help="memory per device: " + SIZE_HELP)
     p.add_argument("--devices-per-node", help="devices per node (default 1, or the config's workers)")
     p.add_argument("--nodes", help="nodes (default 1)")
     p.add_argument("--global-batch", help="samples per optimizer step over all devices")
@@ -145,7 +121,8 @@ def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
         raise ConfigError("model.name", cfg.model.name, "a built-in model (gpt, mlp) for rtp plan; "
                           "for another model use --params/--layers/--hidden/--seq-len")
     t, s = cfg.train, cfg.scaling
-    defaults = {"global_batch": cfg.data.batch_size * t.grad_accum_steps * s.num_workers,
+    defaults = {"global_batch": t.global_batch_size if cfg.data.batch_size == "auto"
+                else cfg.data.batch_size * t.grad_accum_steps * s.num_workers,
                 "precision": t.precision, "optimizer": t.optimizer, "devices_per_node": s.num_workers,
                 "activation_checkpointing": cfg.parallel.activation_checkpointing}
     return shape, defaults
@@ -157,7 +134,7 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
     else:
         shape, defaults = _shape_from_flags(args), {}
     if args.device_mem is None:
-        raise ConfigError("--device-mem", None, _SIZE_HELP)
+        raise ConfigError("--device-mem", None, SIZE_HELP)
     try:
         headroom = float(args.headroom)
     except ValueError:

@@ -186,7 +186,8 @@ def _swap(fit: tuple[Layout, MemoryEstimate, bool]) -> tuple[bool, Layout, Memor
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    """Bytes for a person: GiB, or MiB below 1 GiB (small CPU budgets)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _need(o: Option) -> str:

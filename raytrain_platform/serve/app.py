@@ -1,0 +1,205 @@
+"""The Serve deployment: a FastAPI ingress over the served checkpoints, with dynamic
+batching (``serve.batch``) and model multiplexing (``serve.multiplexed``, LRU-bounded
+per replica).
+
+    POST /v1/predict    mlp: feature rows -> predictions (+ class probabilities)
+    POST /v1/generate   gpt: prompt -> generated text (same seed, same text)
+    GET  /v1/models     each model's config, checkpoint step and training metrics
+    GET  /healthz       liveness
+    GET  /docs          OpenAPI
+
+A request names its model with the ``model`` field or the ``serve_multiplexed_model_id``
+header (which Serve also routes by: to a replica that has the model loaded); without
+one, the only model of the endpoint's kind answers. Models load on a replica when first
+asked for; compute runs on one thread per replica, off the event loop, so the loop keeps
+accepting (and batching) requests meanwhile.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the endpoints' body types from
+# real annotations (as strings, under serve.ingress, they turn into query parameters).
+import asyncio
+import secrets
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import torch
+from ray import serve
+
+from raytrain_platform import __version__
+from raytrain_platform.serve.catalog import load_served_model
+from raytrain_platform.serve.coalesce import Coalescer
+from raytrain_platform.serve.http import ERROR_RESPONSES, error, make_api
+from raytrain_platform.serve import inference
+from raytrain_platform.serve.inference import GenerationJob, Prediction
+from raytrain_platform.serve.options import ServeOptions
+from raytrain_platform.serve.schemas import (GenerateRequest, GenerateResponse, HealthResponse, ModelInfo,
+                                             ModelsResponse, PredictRequest, PredictResponse)
+
+__all__ = ["ModelServer", "api"]
+
+api = make_api("raytrain_platform models", __version__)
+_ENDPOINT = {"mlp": "POST /v1/predict", "gpt": "POST /v1/generate"}
+
+
+class _Loaded:
+    """A model in a replica's multiplexing cache. Serve calls ``__del__`` when its LRU
+    policy unloads it, which keeps `loaded` (what /healthz reports) exact."""
+
+    def __init__(self, model_id: str, module: torch.nn.Module, loaded: set[str]):
+        self.model_id, self.module, self._loaded, self._unloaded = model_id, module, loaded, False
+        loaded.add(model_id)
+
+    def __del__(self) -> None:
+        if not self._unloaded:  # Serve calls it on unload, the garbage collector again later
+            self._unloaded = True
+            self._loaded.discard(self.model_id)
+
+
+@serve.deployment
+@serve.ingress(api)
+class ModelServer:
+    """One replica: the catalog (plain data, from the driver) and up to
+    ``max_models_per_replica`` loaded models."""
+
+    def __init__(self, catalog: dict[str, dict], options: ServeOptions):
+        self.catalog, self.options = catalog, options
+        api.state.max_body_bytes = options.max_body_bytes
+        self.device = torch.device("cuda" if options.use_gpu else "cpu")
+        # Set in the compute thread itself: torch's intra-op thread count is per thread, and
+        # a default-sized pool spinning next to the event loop starves it of the CPU.
+        threads = max(1, int(options.cpus_per_replica))
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-compute",
+                                           initializer=torch.set_num_threads, initargs=(threads,))
+        self.loaded: set[str] = set()
+
+        async def load_model(model_id: str) -> _Loaded:
+            return _Loaded(model_id, await self._run(self._load, model_id), self.loaded)
+
+        # Decorated here, not on the class, so the LRU bound is this deployment's option.
+        self.get_model = serve.multiplexed(max_num_models_per_replica=options.max_models_per_replica)(load_model)
+        self._coalescer = Coalescer(self._grouped, max_items=options.max_batch_size)
+        for handler in (self._predict_batch, self._generate_batch):
+            handler.set_max_batch_size(options.max_batch_size)
+            handler.set_batch_wait_timeout_s(options.batch_wait_timeout_s)
+
+    async def _run(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    def _load(self, model_id: str) -> torch.nn.Module:
+        model, _ = load_served_model(model_id, self.catalog[model_id]["checkpoint"])
+        return model.to(self.device)
+
+    # ---- requests -> a checked model entry -------------------------------------------------
+    def _resolve(self, field_id: Optional[str], kind: str) -> dict:
+        header_id = serve.get_multiplexed_model_id()
+        if field_id and header_id and field_id != header_id:
+            raise error(400, f"model field {field_id!r} and serve_multiplexed_model_id header "
+                             f"{header_id!r} differ; give one")
+        model_id = field_id or header_id
+        known = ", ".join(self.catalog)
+        if not model_id:
+            of_kind = [m for m in self.catalog.values() if m["model"]["name"] == kind]
+            if len(of_kind) != 1:
+                raise error(400 if of_kind else 404,
+                            f"{len(of_kind)} {kind} models served: name one with the model field or the "
+                            f"serve_multiplexed_model_id header; known ids: {known}")
+            return of_kind[0]
+        entry = self.catalog.get(model_id)
+        if entry is None:
+            raise error(404, f"unknown model id {model_id!r}; known ids: {known}")
+        name = entry["model"]["name"]
+        if name != kind:
+            raise error(400, f"model {model_id!r} is a {name} model: use {_ENDPOINT[name]}")
+        return entry
+
+    def _check_rows(self, entry: dict, rows: list[list[float]]) -> None:
+        if len(rows) > self.options.max_batch_rows:
+            raise error(422, f"rows: {len(rows)} rows; at most {self.options.max_batch_rows} "
+                             "per request (max_batch_rows)")
+        expected = entry["inputs"]["num_features"]
+        for i, row in enumerate(rows):
+            if len(row) != expected:
+                raise error(422, f"rows.{i}: {len(row)} features; model {entry['id']!r} expects {expected}")
+
+    def _job(self, body: GenerateRequest) -> GenerationJob:
+        prompt = body.prompt.encode("utf-8")  # the schema refuses lone surrogates
+        if len(prompt) > self.options.max_prompt_bytes:
+            raise error(422, f"prompt: {len(prompt)} UTF-8 bytes; at most {self.options.max_prompt_bytes} "
+                             "(max_prompt_bytes)")
+        if body.max_new_tokens > self.options.max_new_tokens:
+            raise error(422, f"max_new_tokens: {body.max_new_tokens}; at most "
+                             f"{self.options.max_new_tokens} (the deployment's max_new_tokens)")
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        return GenerationJob(prompt, body.max_new_tokens, body.temperature, body.top_k, seed)
+
+    async def _submit(self, batched: Callable, kind: str, item: tuple) -> Any:
+        """Through the dynamic batcher, or (max_batch_size 1) straight to the compute thread."""
+        if self.options.max_batch_size > 1:
+            return await batched(item)
+        return (await self._grouped(kind, [item]))[0]
+
+    # ---- batched compute --------------------------------------------------------------------
+    def _predict_compute(self, model_id: str, model: torch.nn.Module, rows: list) -> list[Prediction]:
+        classification = self.catalog[model_id]["task"] == "classification"
+        return inference.predict(model, rows, classification=classification)
+
+    def _generate_compute(self, model_id: str, model: torch.nn.Module, jobs: list) -> list[bytes]:
+        return inference.generate(model, jobs)
+
+    async def _grouped(self, kind: str, items: list[tuple[str, Any]]) -> list:
+        """One compute call per model among `items` (``(model_id, payload)``), on the
+        compute thread; results in item order."""
+        compute = self._predict_compute if kind == "predict" else self._generate_compute
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, (model_id, _) in enumerate(items):
+            groups[model_id].append(i)
+        models = {model_id: (await self.get_model(model_id)).module for model_id in groups}
+
+        def run_all() -> list:
+            results: list = [None] * len(items)
+            for model_id, members in groups.items():
+                outs = compute(model_id, models[model_id], [items[i][1] for i in members])
+                for i, out in zip(members, outs):
+                    results[i] = out
+            return results
+
+        return await self._run(run_all)
+
+    # Batch size and wait are set per deployment in __init__. Serve's batches then pass
+    # through the coalescer, so batches formed while the compute thread was busy run as one.
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def _predict_batch(self, items: list[tuple[str, list[list[float]]]]) -> list[Prediction]:
+        return await self._coalescer.submit("predict", items)
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def _generate_batch(self, items: list[tuple[str, GenerationJob]]) -> list[bytes]:
+        return await self._coalescer.submit("generate", items)
+
+    # ---- endpoints --------------------------------------------------------------------------
+    @api.post("/v1/predict", response_model=PredictResponse, responses=ERROR_RESPONSES)
+    async def predict(self, body: PredictRequest) -> PredictResponse:
+        """Predictions for feature rows (mlp): class and class probabilities, or a value."""
+        entry = self._resolve(body.model, "mlp")
+        self._check_rows(entry, body.rows)
+        out = await self._submit(self._predict_batch, "predict", (entry["id"], body.rows))
+        return PredictResponse(model=entry["id"], step=entry["step"], predictions=out.predictions,
+                               probabilities=out.probabilities)
+
+    @api.post("/v1/generate", response_model=GenerateResponse, responses=ERROR_RESPONSES)
+    async def generate(self, body: GenerateRequest) -> GenerateResponse:
+        """Continue a prompt byte by byte (gpt); the same seed gives the same text."""
+        entry = self._resolve(body.model, "gpt")
+        job = self._job(body)
+        out = await self._submit(self._generate_batch, "generate", (entry["id"], job))
+        return GenerateResponse(model=entry["id"], step=entry["step"], seed=job.seed,
+                                text=out.decode("utf-8", errors="replace"), new_tokens=len(out))
+
+    @api.get("/v1/models", response_model=ModelsResponse)
+    async def models(self) -> ModelsResponse:
+        """Every served model: its config, checkpoint step and training metrics."""
+        return ModelsResponse(models=[ModelInfo(**entry) for entry in self.catalog.values()])
+
+    @api.get("/healthz", response_model=HealthResponse)
+    async def healthz(self) -> HealthResponse:
+        return HealthResponse(status="ok", models=list(self.catalog), loaded=sorted(self.loaded))

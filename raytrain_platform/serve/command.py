@@ -1,0 +1,156 @@
+"""`rtp serve`: serve checkpoints over HTTP until Ctrl-C, or write a Serve config.
+
+    rtp serve runs/quickstart                         # http://127.0.0.1:8000, docs at /docs
+    rtp serve mlp=runs/tabular gpt=runs/quickstart --replicas 2 --max-batch-size 16
+    rtp serve runs/sweep --max-models-per-replica 2   # every run of a sweep, by run name
+    rtp serve runs/quickstart --write-config serve.yaml && serve deploy serve.yaml
+
+Options and checkpoints are checked, and every checkpoint loaded once, before Ray
+starts: bad input is one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_platform.errors import ConfigError, UserError
+from raytrain_platform.serve.options import ServeOptions, option_fields, parse_serve_args
+
+__all__ = ["add_serve_arguments", "run_serve", "serve_config", "APP_NAME", "BUILDER_IMPORT_PATH"]
+
+APP_NAME = "rtp"
+BUILDER_IMPORT_PATH = "raytrain_platform.serve.builder:app"  # the same builder as pipelines.serve:app
+
+
+def _one_line_error(message: str) -> None:
+    # argparse's own errors (a missing path, an unknown flag) as one line too.
+    print(f"error: {message} (see rtp serve --help)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.error = _one_line_error  # type: ignore[method-assign]
+    p.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CHECKPOINT",
+                   help="a run directory (latest checkpoint), checkpoint, export, or a folder of run "
+                        "directories (a sweep); NAME=PATH sets the model id (default: the run's folder name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", default="8000", help="HTTP port (default 8000)")
+    p.add_argument("--replicas", dest="num_replicas", default=None, help="replicas when not autoscaling (default 1)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else "
+                                                   "an embedded local Ray)")
+    p.add_argument("--write-config", metavar="FILE", default=None,
+                   help="write a Serve config YAML for `serve deploy` instead of serving")
+    for f in option_fields():
+        if f.name == "num_replicas":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
+        else:
+            p.add_argument(flag, default=None, help=f"{f.metadata['help']} (default {f.default})")
+
+
+def _options(args: argparse.Namespace) -> ServeOptions:
+    given = {f.name: getattr(args, f.name) for f in option_fields() if getattr(args, f.name) is not None}
+    return parse_serve_args({"checkpoint": list(args.checkpoints), **given})
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ConfigError("--port", text, "an integer in 1..65535")
+    return int(text)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"--host {host} --port {port}: cannot bind ({exc.strerror}); "
+                            "pick another port with --port") from None
+
+
+def serve_config(options: ServeOptions, *, host: str, port: int) -> dict[str, Any]:
+    """A Serve config (the `serve deploy` schema) that deploys `options`."""
+    return {"proxy_location": "EveryNode", "http_options": {"host": host, "port": port},
+            "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": BUILDER_IMPORT_PATH,
+                              "args": options.to_args()}]}
+
+
+def _write_config(path: str, options: ServeOptions, *, host: str, port: int) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    config = serve_config(options, host=host, port=port)
+    ServeDeploySchema.model_validate(config)  # what `serve deploy` will check
+    Path(path).write_text(yaml.safe_dump(config, sort_keys=False))
+    print(f"wrote {path}; deploy it with: serve deploy {path}")
+
+
+def _init_ray(address: str | None) -> None:
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+    else:  # a fresh embedded Ray, never one left behind by `ray start`
+        from raytrain_platform.serve.builder import NORMAL_PRIORITY_ENV
+
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+                 runtime_env={"env_vars": dict(NORMAL_PRIORITY_ENV)})
+
+
+def _stop_on_sigterm() -> None:
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _serve_until_stopped(catalog: dict[str, dict], options: ServeOptions, *, host: str, port: int,
+                         address: str | None) -> None:
+    import ray
+    from ray import serve
+
+    from raytrain_platform.serve.builder import build_application
+
+    _init_ray(address)
+    attached = bool(address or os.environ.get("RAY_ADDRESS"))
+    try:
+        if options.use_gpu and ray.cluster_resources().get("GPU", 0) < 1:
+            raise ConfigError("--use-gpu", True, "a Ray cluster with a GPU (this one has none)")
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_application(catalog, options), name=APP_NAME, route_prefix="/")
+        url = f"http://{host}:{port}"
+        print(f"serving {', '.join(catalog)} at {url} (OpenAPI: {url}/docs); Ctrl-C to stop", flush=True)
+        _stop_on_sigterm()
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+    finally:  # on a shared cluster, remove only this application
+        serve.delete(APP_NAME) if attached else serve.shutdown()
+        ray.shutdown()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`rtp serve`: check, load, then serve until Ctrl-C / SIGTERM (or write a config)."""
+    from raytrain_platform.serve.catalog import load_catalog
+
+    options = _options(args)
+    port = _port(args.port)
+    catalog = load_catalog(options)
+    if args.write_config:
+        _write_config(args.write_config, options, host=args.host, port=port)
+        return 0
+    _check_port_free(args.host, port)
+    _serve_until_stopped(catalog, options, host=args.host, port=port, address=args.address)
+    print("stopped", flush=True)
+    return 0

@@ -1,0 +1,110 @@
+"""HTTP plumbing of the ingress: a request body size limit, and every error as a 4xx
+(or 5xx) with a one-line JSON ``{"error": ...}`` that names the problem. Malformed
+JSON is 400, a body that fails the schema 422 (the field and what is allowed), a body
+over the limit 413; nothing a client sends reaches the replica as an exception.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from raytrain_platform.errors import UserError
+from raytrain_platform.serve.schemas import ErrorResponse
+
+__all__ = ["make_api", "ERROR_RESPONSES", "error"]
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": what} for code, what in (
+        (400, "malformed JSON, or a model of the other kind"), (404, "unknown model id"),
+        (413, "body over max_body_bytes"), (422, "a field is missing, of the wrong type, "
+                                                 "non-finite, or over a limit"))}
+
+
+def error(status: int, message: str) -> HTTPException:
+    return HTTPException(status_code=status, detail=message)
+
+
+class BodySizeLimit:
+    """Refuses bodies over ``app.state.max_body_bytes``: up front by Content-Length, and
+    while reading for bodies sent without one (chunked)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = scope["app"].state.max_body_bytes
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            response = _error_response(413, f"body of {length.decode(errors='replace')} bytes: "
+                                            f"at most {limit} (max_body_bytes)")
+            return await response(scope, receive, send)
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:  # FastAPI passes HTTPExceptions from the body read through
+                raise error(413, f"body over {limit} bytes (max_body_bytes)")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _location(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or "body"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
+    errors = exc.errors()
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "invalid JSON")
+        return 400, f"malformed JSON body: {reason}"
+    if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+        return 422, "missing JSON body"
+    value = first.get("input")
+    shown = "" if first.get("type") == "missing" or isinstance(value, (dict, list)) else f" (got {value!r:.60})"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return 422, f"{_location(first.get('loc', ()))}: {first.get('msg')}{shown}{more}"
+
+
+def make_api(title: str, version: str) -> FastAPI:
+    """A FastAPI app with the body limit and the one-line error handlers installed."""
+    api = FastAPI(title=title, version=version)
+    api.state.max_body_bytes = 1 << 20  # the deployment sets its own
+    api.add_middleware(BodySizeLimit)
+
+    @api.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(*_validation_message(exc))
+
+    @api.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
+            message = f"{request.method} {request.url.path}: {message.lower()} (see /docs)"
+        return _error_response(exc.status_code, message)
+
+    @api.exception_handler(UserError)
+    async def _user(request: Request, exc: UserError) -> JSONResponse:
+        return _error_response(503, f"model unavailable: {exc}")
+
+    @api.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    return api

@@ -1,0 +1,95 @@
+"""The math behind the endpoints, batched: class probabilities or values for tabular
+rows, and byte-level sampling for gpt. Plain torch, no Serve; requests arrive here
+already checked.
+
+>>> import torch
+>>> from raytrain_platform.models.gpt import GPT
+>>> from raytrain_platform.models.specs import GPTSpec
+>>> gpt = GPT(GPTSpec(n_layer=1, n_head=2, n_embd=16, block_size=8)).eval()
+>>> job = GenerationJob(prompt=b"hi", max_new_tokens=5, temperature=1.0, top_k=None, seed=7)
+>>> generate(gpt, [job, job])[0] == generate(gpt, [job])[0]   # same seed, same bytes
+True
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["Prediction", "predict", "GenerationJob", "generate"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    predictions: list  # class index per row (classification) or value (regression)
+    probabilities: list[list[float]] | None  # per row, per class (classification only)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.inference_mode()
+def predict(model: nn.Module, requests: list[list[list[float]]], *, classification: bool) -> list[Prediction]:
+    """One forward over the rows of every request (a dynamic batch), split back per request."""
+    sizes = [len(rows) for rows in requests]
+    x = torch.tensor([row for rows in requests for row in rows], dtype=torch.float32,
+                     device=_device(model))  # (sum of rows, F)
+    out = model(x).float().cpu()
+    results = []
+    for part in torch.split(out, sizes):
+        if classification:
+            probs = torch.softmax(part, dim=-1)
+            results.append(Prediction(probs.argmax(-1).tolist(), probs.tolist()))
+        else:
+            results.append(Prediction(part.tolist(), None))
+    return results
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    prompt: bytes  # at least one byte
+    max_new_tokens: int
+    temperature: float  # 0 = greedy
+    top_k: int | None
+    seed: int
+
+
+def _sample(logits: torch.Tensor, job: GenerationJob, generator: torch.Generator) -> int:
+    """One token from (vocab,) logits: greedy at temperature 0, else top-k sampling
+    with the request's own generator (so its draws do not depend on the batch)."""
+    if job.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / job.temperature
+    if job.top_k is not None and job.top_k < logits.numel():
+        kth = torch.topk(logits, job.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+
+@torch.inference_mode()
+def generate(model: nn.Module, jobs: list[GenerationJob]) -> list[bytes]:
+    """Continue each prompt by its ``max_new_tokens`` bytes. Each step runs one forward
+    per group of sequences of equal context length (no padding, so no mask needed); the
+    context is the last ``block_size`` bytes."""
+    block_size = model.spec.block_size
+    seqs = [list(job.prompt) for job in jobs]
+    outs: list[list[int]] = [[] for _ in jobs]
+    generators = [torch.Generator().manual_seed(job.seed) for job in jobs]
+    active = [i for i, job in enumerate(jobs) if job.max_new_tokens > 0]
+    while active:
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i in active:
+            groups[min(len(seqs[i]), block_size)].append(i)
+        for length, members in groups.items():
+            context = torch.tensor([seqs[i][-length:] for i in members], device=_device(model))
+            logits = model(context)[:, -1, :].float().cpu()  # (n, vocab): the next byte
+            for row, i in enumerate(members):
+                token = _sample(logits[row], jobs[i], generators[i])
+                seqs[i].append(token)
+                outs[i].append(token)
+        active = [i for i in active if len(outs[i]) < jobs[i].max_new_tokens]
+    return [bytes(out) for out in outs]

@@ -1,0 +1,165 @@
+"""What a Serve deployment of checkpoints is configured with, parsed and checked before
+Ray starts. The same options come from `rtp serve` flags, from ``serve run
+pipelines.serve:app key=value`` (strings) and from a Serve config's ``args`` (YAML
+values). No torch or Ray here.
+
+>>> opts = parse_serve_args({"checkpoint": "runs/a,b=runs/b", "max_batch_size": "16"})
+>>> [spec.name for spec in opts.checkpoints], opts.max_batch_size
+(['a', 'b'], 16)
+>>> parse_serve_args({"checkpoint": "runs/a", "max_batch_size": "0"})
+Traceback (most recent call last):
+...
+raytrain_platform.errors.ConfigError: max_batch_size = '0': expected an integer >= 1 and <= 4096
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from raytrain_platform.errors import ConfigError
+from raytrain_platform.rundir import STATE_FILE, latest_checkpoint
+
+__all__ = ["CheckpointSpec", "ServeOptions", "parse_serve_args", "option_fields", "MODEL_ID_PATTERN"]
+
+MODEL_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._@/-]{0,127}"
+_EXPORT_INFO = "export.json"  # raytrain_platform.export.EXPORT_INFO_FILE, without importing torch
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """One served model: the id requests name it by, and its checkpoint (absolute)."""
+
+    name: str
+    path: str
+
+
+def _opt(default: Any, help: str, minimum: float | None = None, maximum: float | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "min": minimum, "max": maximum})
+
+
+@dataclass
+class ServeOptions:
+    """Every knob of a served deployment; the defaults suit a laptop."""
+
+    checkpoints: list[CheckpointSpec] = field(default_factory=list)
+    num_replicas: int = _opt(1, "replicas when not autoscaling", 1)
+    min_replicas: int = _opt(0, "autoscaling: fewest replicas (with max_replicas)", 0)
+    max_replicas: int = _opt(0, "autoscaling: most replicas; 0 = no autoscaling, num_replicas fixed", 0)
+    target_ongoing_requests: float = _opt(2.0, "autoscaling: requests in flight per replica to aim for", 0.01)
+    max_ongoing_requests: int = _opt(64, "requests a replica takes at once (the rest queue); "
+                                         "at least max_batch_size for full batches", 1)
+    cpus_per_replica: float = _opt(1.0, "CPUs reserved per replica (also its torch threads)", 0.01)
+    use_gpu: bool = _opt(False, "one GPU per replica, the models on it")
+    max_batch_size: int = _opt(32, "requests per dynamic batch (serve.batch); 1 = no batching", 1, 4096)
+    batch_wait_timeout_s: float = _opt(0.005, "longest wait for a batch to fill, seconds", 0.0, 10.0)
+    max_models_per_replica: int = _opt(3, "models a replica keeps loaded (LRU)", 1)
+    max_batch_rows: int = _opt(1024, "feature rows per /v1/predict request", 1)
+    max_prompt_bytes: int = _opt(4096, "UTF-8 bytes per /v1/generate prompt", 1)
+    max_new_tokens: int = _opt(256, "largest max_new_tokens a request may ask for", 1)
+    max_body_bytes: int = _opt(1 << 20, "request body size limit, bytes (larger: 413)", 64)
+
+    def to_args(self) -> dict:
+        """The builder arguments (`parse_serve_args` input) that give these options back."""
+        args = {f.name: getattr(self, f.name) for f in option_fields()}
+        args["checkpoint"] = [f"{spec.name}={spec.path}" for spec in self.checkpoints]
+        return args
+
+
+def option_fields() -> list[dataclasses.Field]:
+    """The tunable options (every field but the checkpoints), with help and bounds."""
+    return [f for f in dataclasses.fields(ServeOptions) if f.name != "checkpoints"]
+
+
+def _parse_value(f: dataclasses.Field, value: Any) -> Any:
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    lo, hi = f.metadata["min"], f.metadata["max"]
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f.name, value, "true or false")
+    what = "an integer" if kind == "int" else "a number"
+    bounds = " and ".join(x for x in (f">= {lo:g}" if lo is not None else "",
+                                      f"<= {hi:g}" if hi is not None else "") if x)
+    try:
+        if isinstance(value, bool) or (kind == "int" and isinstance(value, float)):
+            raise ValueError
+        number = int(value) if kind == "int" else float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f.name, value, f"{what} {bounds}".strip()) from None
+    if number != number or (lo is not None and number < lo) or (hi is not None and number > hi):
+        raise ConfigError(f.name, value, f"{what} {bounds}".strip())
+    return number
+
+
+def _split_specs(value: Any) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):
+        raise ConfigError("checkpoint", value, "a path, NAME=PATH, or a list (comma-separated) of them")
+    items = [x.strip() for x in items if x.strip()]
+    if not items:
+        raise ConfigError("checkpoint", value, "at least one run directory, checkpoint or export")
+    return items
+
+
+def _is_model_dir(path: Path) -> bool:
+    return ((path / STATE_FILE).is_file() or (path / _EXPORT_INFO).is_file()
+            or latest_checkpoint(path) is not None)
+
+
+def _expand(name: str | None, path: Path) -> list[CheckpointSpec]:
+    """A run directory, checkpoint or export is one model (default id: its run's folder
+    name); a folder of run directories (a sweep's trials) is one model per run."""
+    if path.is_dir() and not _is_model_dir(path):
+        runs = sorted(p for p in path.iterdir() if p.is_dir() and _is_model_dir(p))
+        if runs:
+            prefix = f"{name}/" if name else ""
+            return [CheckpointSpec(prefix + run.name, str(run.resolve())) for run in runs]
+    if name is None:
+        in_run = (path / STATE_FILE).is_file() or (path / _EXPORT_INFO).is_file()
+        name = (path.resolve().parent if in_run else path.resolve()).name
+    return [CheckpointSpec(name, str(path.resolve()))]
+
+
+def parse_checkpoints(value: Any) -> list[CheckpointSpec]:
+    specs: list[CheckpointSpec] = []
+    for item in _split_specs(value):
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = None, item
+        elif not re.fullmatch(MODEL_ID_PATTERN, name):
+            raise ConfigError("checkpoint", item, f"NAME=PATH with NAME matching {MODEL_ID_PATTERN}")
+        specs += _expand(name, Path(path).expanduser())
+    seen: set[str] = set()
+    for spec in specs:
+        if not re.fullmatch(MODEL_ID_PATTERN, spec.name):
+            raise ConfigError("checkpoint", spec.path, f"a model id matching {MODEL_ID_PATTERN} "
+                              f"(derived {spec.name!r}); name it with NAME=PATH")
+        if spec.name in seen:
+            raise ConfigError("checkpoint", spec.name, "distinct model ids; name the checkpoints "
+                              "with NAME=PATH")
+        seen.add(spec.name)
+    return specs
+
+
+def parse_serve_args(args: Mapping[str, Any]) -> ServeOptions:
+    """Builder arguments (strings or typed values) -> checked `ServeOptions`.
+    ``checkpoint`` is required; unknown keys are errors that list the known ones."""
+    if not isinstance(args, Mapping):
+        raise ConfigError("args", args, "a mapping of option names to values")
+    known = {f.name: f for f in option_fields()}
+    for key in args:
+        if key != "checkpoint" and key not in known:
+            raise ConfigError(key, args[key], f"a known option: checkpoint, {', '.join(known)}")
+    if "checkpoint" not in args:
+        raise ConfigError("checkpoint", None, "a run directory, checkpoint or export to serve")
+    values = {key: _parse_value(known[key], value) for key, value in args.items() if key != "checkpoint"}
+    opts = ServeOptions(checkpoints=parse_checkpoints(args["checkpoint"]), **values)
+    if opts.max_replicas and opts.min_replicas > opts.max_replicas:
+        raise ConfigError("min_replicas", opts.min_replicas, f"<= max_replicas ({opts.max_replicas})")
+    return opts

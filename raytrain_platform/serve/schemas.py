@@ -1,0 +1,96 @@
+"""Request and response bodies of the HTTP API (pydantic; FastAPI publishes them as
+OpenAPI at ``/docs``). Types are strict: a string where a number belongs, a float
+where an integer belongs, NaN or infinity are refused, not coerced. Limits that
+depend on the deployment (rows, prompt bytes, max_new_tokens) and on the model
+(feature count) are checked by the endpoint.
+
+>>> PredictRequest.model_validate({"rows": [[0.5, 1.0]]}).rows
+[[0.5, 1.0]]
+>>> PredictRequest.model_validate({"rows": [[float("nan")]]})  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+pydantic_core._pydantic_core.ValidationError: 1 validation error for PredictRequest
+...
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["PredictRequest", "PredictResponse", "GenerateRequest", "GenerateResponse",
+           "ModelInfo", "ModelsResponse", "HealthResponse", "ErrorResponse"]
+
+Feature = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+ModelId = Annotated[Optional[str], Field(
+    None, min_length=1, max_length=128,
+    description="which served model (see GET /v1/models); or the serve_multiplexed_model_id "
+                "header. Optional when one model of the endpoint's kind is served")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
+
+class PredictRequest(_Strict):
+    rows: list[list[Feature]] = Field(min_length=1, description="feature rows, each as long as "
+                                      "the model's num_features; at most max_batch_rows rows")
+    model: ModelId = None
+
+
+class PredictResponse(_Strict):
+    model: str
+    step: int = Field(description="the checkpoint's optimizer step")
+    predictions: list[Union[int, float]] = Field(description="class index (classification) or "
+                                                 "value (regression) per row")
+    probabilities: Optional[list[list[float]]] = Field(description="per row, per class "
+                                                       "(classification); null for regression")
+
+
+class GenerateRequest(_Strict):
+    prompt: str = Field(min_length=1, description="text to continue (UTF-8, byte-level model); "
+                        "at most max_prompt_bytes bytes; the last block_size bytes are the context")
+    max_new_tokens: int = Field(32, ge=1, description="bytes to generate; at most the "
+                                "deployment's max_new_tokens")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False,
+                               description="0 = greedy; higher = more random")
+    top_k: Optional[int] = Field(None, ge=1, le=256, description="sample among the k most likely bytes")
+    seed: Optional[int] = Field(None, ge=0, lt=2**63, description="same seed, same text; "
+                                "default: a random seed, returned in the response")
+    model: ModelId = None
+
+
+class GenerateResponse(_Strict):
+    model: str
+    step: int
+    text: str = Field(description="the generated continuation (bytes that are not valid UTF-8 "
+                      "shown as U+FFFD)")
+    new_tokens: int
+    seed: int
+
+
+class ModelInfo(_Strict):
+    id: str
+    model: dict = Field(description="model.name and model.kwargs from the training config")
+    task: str = Field(description="classification, regression or lm")
+    inputs: dict = Field(description="num_features/num_outputs (mlp) or block_size/vocab_size (gpt)")
+    checkpoint: str
+    step: int
+    metrics: dict = Field(description="the training metrics recorded with the checkpoint")
+    num_params: int
+
+
+class ModelsResponse(_Strict):
+    models: list[ModelInfo]
+
+
+class HealthResponse(_Strict):
+    status: str
+    models: list[str] = Field(description="every served model id")
+    loaded: list[str] = Field(description="ids loaded on the replica that answered (at most "
+                              "max_models_per_replica: least recently used ones are unloaded)")
+
+
+class ErrorResponse(_Strict):
+    error: str = Field(description="one line naming the problem and what is allowed")

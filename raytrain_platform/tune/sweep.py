@@ -1,0 +1,355 @@
+"""Ray Tune sweeps over any config field: each trial is one full TorchTrainer run.
+
+>>> import raytrain_platform as rtp                                          # doctest: +SKIP
+>>> result = rtp.sweep("pipelines/configs/tabular.yaml",                     # doctest: +SKIP
+...                    {"train.lr": {"loguniform": [1e-4, 1e-2]}, "data.batch_size": [32, 64]},
+...                    num_samples=2, scheduler="asha", name="tabular-lr")
+>>> result.trials[["trial", "status", "train.lr", "val_loss"]]               # doctest: +SKIP
+>>> result.best_config, result.best_checkpoint                                # doctest: +SKIP
+
+Layout: ``<storage>/<name>/`` holds trials.json (the planned trials), runs/trial_NNN/
+(each trial's run directory, as `rtp train` writes it), tune/ (Tune's experiment state:
+running the same sweep again resumes it), results.csv, best_config.yaml and sweep.png.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from raytrain_platform.config import JobConfig, load_config
+from raytrain_platform.errors import ConfigError, UserError
+from raytrain_platform.rundir import best_checkpoint
+from raytrain_platform.tune.results import (BEST_CONFIG_FILE, PLOT_FILE, REPORTED, RESULTS_FILE,
+                                            SweepResult, pick_best, plot_sweep, write_best_config)
+from raytrain_platform.tune.space import Axis, expand, parse_space
+
+__all__ = ["sweep", "SweepResult", "PlannedTrial", "plan_trials", "trial_demand", "max_concurrency",
+           "OBJECTIVES"]
+
+# Metrics the workers report, with the direction that is better; "throughput" is the
+# autotune objective: the highest samples/s among the trials that did not fail.
+OBJECTIVES = {"val_loss": "min", "loss": "min", "samples_per_s": "max", "throughput": "max"}
+DRIVER_CPUS = 0.01  # a Tune trial only drives its Train run (Ray Train V2's pattern)
+# A Ray Data map task takes a whole CPU (Ray Data's default): a trial left less than that
+# waits for its first batch for as long as the others run.
+DATA_TASK_CPUS = 1.0
+TRIALS_FILE = "trials.json"
+
+
+@dataclass(frozen=True)
+class PlannedTrial:
+    name: str  # trial_000, ...: also its run.name under <sweep>/runs/
+    params: dict[str, Any]  # dotted path -> value
+    config: dict | None  # the full validated job config; None when it cannot run
+    total_steps: int
+    error: str | None = None  # why it is not launched
+
+
+def _objective(metric: str, mode: str | None) -> tuple[str, str]:
+    if not isinstance(metric, str) or not metric:
+        raise ConfigError("metric", metric, f"a reported metric name, e.g. one of {list(OBJECTIVES)}")
+    if mode is None:
+        if metric not in OBJECTIVES:
+            raise ConfigError("mode", mode, f"'min' or 'max' (required for metric '{metric}')")
+        mode = OBJECTIVES[metric]
+    if mode not in ("min", "max"):
+        raise ConfigError("mode", mode, "'min' or 'max'")
+    return ("samples_per_s" if metric == "throughput" else metric), mode
+
+
+def plan_trials(base: JobConfig, axes: list[Axis], *, num_samples: int, seed: int,
+                runs_dir: str, metric: str) -> list[PlannedTrial]:
+    """Every trial's config, validated (data included) as `rtp train` would; a trial
+    that cannot run carries its one-line reason instead."""
+    from raytrain_platform.launch.trainer import prepare
+
+    trials = []
+    for i, params in enumerate(expand(axes, num_samples=num_samples, seed=seed)):
+        name = f"trial_{i:03d}"
+        try:
+            job = prepare(base.replace({**params, "run.name": name, "run.storage_path": runs_dir}))
+        except UserError as exc:
+            trials.append(PlannedTrial(name, params, None, 0, str(exc)))
+            continue
+        if metric.startswith("val_") and not job.data.num_val:
+            trials.append(PlannedTrial(name, params, None, 0, (
+                f"data.val_fraction = {job.config.data.val_fraction!r}: expected > 0 (or "
+                f"data.val_path): the sweep's metric {metric} needs validation data")))
+            continue
+        trials.append(PlannedTrial(name, params, job.config.to_dict(), job.total_steps))
+    return trials
+
+
+def trial_demand(config: dict) -> dict[str, float]:
+    """Resources one trial holds while it runs: its driver, its workers, and one Ray
+    Data map task to feed them."""
+    s = config["scaling"]
+    demand = {"CPU": DRIVER_CPUS + s["num_workers"] * s["cpus_per_worker"] + DATA_TASK_CPUS}
+    if s["use_gpu"]:
+        demand["GPU"] = float(s["num_workers"])
+    return demand
+
+
+def max_concurrency(demands: list[dict[str, float]], free: dict[str, float],
+                    cap: int | None = None) -> int:
+    """How many trials can run at once without one waiting for another's workers:
+    the free resources over the largest demand, at least 1 (trials then queue).
+
+    >>> trials = [{"CPU": 1.51}] * 8  # 1 worker x 0.5 CPU each
+    >>> max_concurrency(trials, {"CPU": 2.0}), max_concurrency(trials, {"CPU": 16.0}, cap=4)
+    (1, 4)
+    """
+    worst = {r: max(d.get(r, 0.0) for d in demands) for d in demands for r in d}
+    fits = min(math.floor(free.get(r, 0.0) / need + 1e-9) for r, need in worst.items() if need > 0)
+    n = max(1, min(fits, len(demands)))
+    return min(n, cap) if cap else n
+
+
+def _mark_unfit(trials: list[PlannedTrial], total: dict[str, float]) -> list[PlannedTrial]:
+    """Trials that need more than the whole cluster are reported, not launched."""
+    out = []
+    for t in trials:
+        demand = trial_demand(t.config) if t.config else {}
+        short = {r: n for r, n in demand.items() if n > total.get(r, 0.0)}
+        if short:
+            r, n = next(iter(short.items()))
+            t = PlannedTrial(t.name, t.params, None, 0, (
+                f"scaling = {t.config['scaling']['num_workers']} worker(s) x "
+                f"{t.config['scaling']['cpus_per_worker']} CPU: expected a trial that fits the "
+                f"cluster: it needs {n:g} {r} (driver, workers and Ray Data), the cluster has "
+                f"{total.get(r, 0.0):g}"))
+        out.append(t)
+    return out
+
+
+def _scheduler(spec: Any, trials: list[PlannedTrial]):
+    """None/'fifo': run every trial to the end; 'asha' or {asha: {grace_period,
+    reduction_factor}}: stop trials that trail at a validation step."""
+    if spec in (None, "fifo"):
+        return None
+    options = spec.get("asha") if isinstance(spec, dict) and list(spec) == ["asha"] else (
+        {} if spec == "asha" else None)
+    if not isinstance(options, dict) or set(options) - {"grace_period", "reduction_factor"}:
+        raise ConfigError("scheduler", spec, "fifo, asha, or {asha: {grace_period: N, "
+                          "reduction_factor: R}}")
+    eval_every = min(t.config["run"]["eval_every"] for t in trials)
+    max_t = max(t.total_steps for t in trials)
+    grace = options.get("grace_period", eval_every)
+    if not isinstance(grace, int) or not 1 <= grace <= max_t:
+        raise ConfigError("scheduler.asha.grace_period", grace,
+                          f"an integer in [1, {max_t}] (steps; default run.eval_every, which must "
+                          "then be > 0)")
+    factor = options.get("reduction_factor", 2)
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 1:
+        raise ConfigError("scheduler.asha.reduction_factor", factor, "a number > 1")
+    from ray.tune.schedulers import ASHAScheduler
+
+    # stop_last_trials=False: a trial that reaches max_t ends on its own (final checkpoint,
+    # summary), not killed at its last report.
+    return ASHAScheduler(time_attr="step", max_t=max_t, grace_period=grace, reduction_factor=factor,
+                         stop_last_trials=False)
+
+
+def _record_plan(sweep_dir: Path, plan: dict) -> None:
+    """trials.json: the first run writes it; a rerun must plan the same trials to resume."""
+    path = sweep_dir / TRIALS_FILE
+    text = json.dumps(plan, indent=1, sort_keys=True, default=str)
+    if path.exists() and path.read_text() != text:
+        raise UserError(f"sweep directory {sweep_dir} holds a sweep with other trials or settings; "
+                        "choose another sweep name to start a new one (a rerun resumes only the "
+                        "same sweep)")
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@contextlib.contextmanager
+def _quiet_tune(verbose: bool):
+    """Our table instead of Tune's: the legacy output engine prints nothing at verbose=0
+    (the new one still prints each error), and Tune's error logs go unless `verbose`."""
+    if verbose:
+        yield
+        return
+    saved_env = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    tune_logger = logging.getLogger("ray.tune")
+    saved_level = tune_logger.level
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    tune_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        tune_logger.setLevel(saved_level)
+        if saved_env is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = saved_env
+
+
+def _make_tuner(trials: list[PlannedTrial], *, sweep_dir: Path, metric: str, mode: str,
+                scheduler: Any, concurrency: int, progress: bool):
+    """A new Tuner, or the interrupted one restored from <sweep>/tune/ (Tune restore)."""
+    import ray.tune
+
+    from raytrain_platform.tune.callbacks import NoTuneReport, ReleaseStopped, TrialTable
+    from raytrain_platform.tune.trial import trial_dirname, trial_driver
+
+    trainable = ray.tune.with_resources(trial_driver, {"cpu": DRIVER_CPUS})
+    tune_dir = sweep_dir / "tune"
+    if ray.tune.Tuner.can_restore(str(tune_dir)):
+        # Finished and failed trials stay as they were; unfinished ones run again and
+        # resume from their run directory's latest checkpoint.
+        return ray.tune.Tuner.restore(str(tune_dir), trainable, resume_unfinished=True), True
+    table = TrialTable({t.name: (t.params, t.total_steps) for t in trials}, metric)
+    space = {"metric": metric, "trial": ray.tune.grid_search(
+        [{"name": t.name, "params": t.params, "config": t.config} for t in trials])}
+    tuner = ray.tune.Tuner(
+        trainable, param_space=space,
+        tune_config=ray.tune.TuneConfig(
+            metric=metric, mode=mode, scheduler=scheduler, max_concurrent_trials=concurrency,
+            trial_name_creator=trial_dirname, trial_dirname_creator=trial_dirname),
+        run_config=ray.tune.RunConfig(name=tune_dir.name, storage_path=str(sweep_dir), verbose=0,
+                                      progress_reporter=NoTuneReport(),
+                                      callbacks=[ReleaseStopped(), *([table] if progress else [])]))
+    return tuner, False
+
+
+def _rows(grid: Any, trials: list[PlannedTrial], metric: str) -> list[dict]:
+    """One row per planned trial, from Tune's results (launched) or the plan (not)."""
+    from raytrain_platform.tune.callbacks import trial_status
+    from raytrain_platform.tune.trial import recorded_reason
+
+    by_name = {r.config["trial"]["name"]: r for r in grid}
+    rows = []
+    for t in trials:
+        row: dict[str, Any] = {"trial": t.name, **t.params}
+        result = by_name.get(t.name)
+        last = (result.metrics or {}) if result is not None else {}
+        for key in dict.fromkeys([*REPORTED, metric]):
+            row[key] = last.get(key, float("nan"))
+        if t.error:
+            row.update(status="invalid", error=t.error)
+        elif result is None or (result.error is None and "step" not in last):
+            row.update(status="not run", error="")
+        elif result.error is not None:
+            row.update(status="failed", error=recorded_reason(result.error))
+        else:
+            row.update(status=trial_status(last.get("step"), t.total_steps), error="")
+        row["duration_s"] = round(last.get("time_total_s", float("nan")), 1)
+        run_dir = Path(t.config["run"]["storage_path"], t.name) if t.config else None
+        ckpt = best_checkpoint(run_dir) if run_dir and run_dir.is_dir() else None
+        row.update(run_dir=str(run_dir or ""), best_checkpoint=str(ckpt or ""))
+        rows.append(row)
+    return rows
+
+
+def _finish(rows: list[dict], trials: list[PlannedTrial], axes: list[Axis], *, sweep_dir: Path,
+            name: str, metric: str, mode: str, base_storage: str) -> SweepResult:
+    import pandas as pd
+
+    columns = ["trial", "status", *[a.path for a in axes], metric,
+               *[c for c in REPORTED if c != metric], "duration_s", "error", "run_dir",
+               "best_checkpoint"]
+    frame = pd.DataFrame(rows, columns=list(dict.fromkeys(columns)))
+    csv = sweep_dir / RESULTS_FILE
+    frame.to_csv(csv, index=False)
+    best = pick_best(rows, metric, mode)
+    best_cfg = best_ckpt = None
+    if best is not None:
+        config = next(t.config for t in trials if t.name == best["trial"])
+        best_cfg = write_best_config(sweep_dir / BEST_CONFIG_FILE, config, sweep=name,
+                                     trial=best["trial"], metric=metric, value=best[metric],
+                                     storage_path=base_storage)
+        best_ckpt = Path(best["best_checkpoint"]) if best["best_checkpoint"] else None
+    plot = plot_sweep(sweep_dir / PLOT_FILE, rows, [a.path for a in axes], metric,
+                      best["trial"] if best else None,
+                      {a.path for a in axes if a.kind == "loguniform"})
+    return SweepResult(sweep_dir=sweep_dir, trials=frame, metric=metric, mode=mode,
+                       best_trial=best["trial"] if best else None, best_config=best_cfg,
+                       best_checkpoint=best_ckpt, results_csv=csv, plot=plot)
+
+
+def _summary_lines(result: SweepResult) -> list[str]:
+    frame = result.trials
+    shown = [c for c in frame.columns if c not in ("run_dir", "best_checkpoint", "error", "loss")]
+    lines = ["", frame[shown].to_string(index=False, float_format=lambda v: f"{v:.4g}")]
+    for _, row in frame[frame["error"].astype(bool)].iterrows():
+        lines.append(f"{row['trial']} {row['status']}: {row['error']}")
+    if result.best_trial:
+        best = result.best
+        lines.append(f"best: {result.best_trial} ({result.metric} {best[result.metric]:.4g}); "
+                     f"config {result.best_config}; checkpoint {result.best_checkpoint}")
+    else:
+        lines.append(f"best: none (no trial finished with a {result.metric})")
+    lines.append(f"results {result.results_csv}" + (f"; plot {result.plot}" if result.plot else ""))
+    return lines
+
+
+def sweep(base_config: Any, space: dict, *, metric: str = "val_loss", mode: str | None = None,
+          num_samples: int = 1, scheduler: Any = None, max_concurrent: int | None = None,
+          name: str | None = None, storage_path: str | None = None, seed: int = 0,
+          overrides: list[str] | None = None, address: str | None = None, verbose: bool = False,
+          progress: bool = True) -> SweepResult:
+    """Run (or resume) a sweep of `base_config` (a YAML path, dict or `JobConfig`, with
+    ``--set``-style `overrides`) over `space` (dotted paths: a list is a grid axis,
+    ``{choice|uniform|loguniform|randint: ...}`` a random one). `metric`: a reported
+    metric, or "throughput" (samples/s, max). `scheduler`: None/"fifo" or "asha".
+    The sweep lives in ``<storage_path or run.storage_path>/<name or run.name-sweep>/``;
+    the same call again resumes it."""
+    base = load_config(base_config, overrides)
+    metric, mode = _objective(metric, mode)
+    axes = parse_space(space)
+    if max_concurrent is not None and (not isinstance(max_concurrent, int) or max_concurrent < 1):
+        raise ConfigError("max_concurrent", max_concurrent, "an integer >= 1 or null")
+    name = name or f"{base.run.name}-sweep"
+    base.replace({"run.name": name})  # the same rule as a run name
+    base_storage = os.path.abspath(os.path.expanduser(base.run.storage_path))
+    sweep_dir = Path(os.path.abspath(os.path.expanduser(storage_path or base_storage))) / name
+    trials = plan_trials(base, axes, num_samples=num_samples, seed=seed,
+                         runs_dir=str(sweep_dir / "runs"), metric=metric)
+    emit = (lambda line: print(line, flush=True)) if progress else (lambda line: None)
+    return _run(trials, axes, emit=emit, sweep_dir=sweep_dir, name=name, metric=metric, mode=mode,
+                scheduler=scheduler, max_concurrent=max_concurrent, base_storage=base_storage,
+                address=address, verbose=verbose, progress=progress)
+
+
+def _run(trials: list[PlannedTrial], axes: list[Axis], *, emit, sweep_dir: Path, name: str,
+         metric: str, mode: str, scheduler: Any, max_concurrent: int | None, base_storage: str,
+         address: str | None, verbose: bool, progress: bool) -> SweepResult:
+    from raytrain_platform.launch.trainer import init_ray
+
+    runnable = [t for t in trials if t.error is None]
+    if not runnable:
+        raise UserError(f"no trial of sweep '{name}' can run; {trials[0].name}: {trials[0].error}")
+    sched = _scheduler(scheduler, runnable)
+    init_ray(address, verbose)
+    import ray
+
+    trials = _mark_unfit(trials, ray.cluster_resources())
+    runnable = [t for t in trials if t.error is None]
+    if not runnable:
+        raise UserError(f"no trial of sweep '{name}' fits the cluster; "
+                        f"{trials[0].name}: {trials[0].error}")
+    _record_plan(sweep_dir, {"metric": metric, "mode": mode, "scheduler": scheduler,
+                             "trials": [asdict(t) for t in trials]})
+    concurrency = max_concurrency([trial_demand(t.config) for t in runnable],
+                                  ray.available_resources(), max_concurrent)
+    for t in trials:
+        if t.error:
+            emit(f"{t.name} not launched: {t.error}")
+    tuner, resumed = _make_tuner(runnable, sweep_dir=sweep_dir, metric=metric, mode=mode,
+                                 scheduler=sched, concurrency=concurrency, progress=progress)
+    emit(f"sweep '{name}'{' (resumed)' if resumed else ''}: {len(runnable)} trial(s), up to "
+         f"{concurrency} at a time; {metric} ({mode}); {sweep_dir}")
+    with _quiet_tune(verbose):
+        grid = tuner.fit()
+    result = _finish(_rows(grid, trials, metric), trials, axes, sweep_dir=sweep_dir, name=name,
+                     metric=metric, mode=mode, base_storage=base_storage)
+    for line in _summary_lines(result):
+        emit(line)
+    return result

@@ -1,0 +1,95 @@
+"""`parallel.strategy: auto` and `data.batch_size: auto` (plan/auto.py): the decision
+guide's choice becomes the config, the micro-batch is the largest that the memory
+model fits, and a real `rtp train` logs what it chose and why."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from raytrain_platform.errors import ConfigError
+from raytrain_platform.launch.trainer import prepare
+from raytrain_platform.models.specs import GPTSpec
+from raytrain_platform.plan.memory import Layout, estimate_memory
+from raytrain_platform.plan.shapes import gpt_shape
+
+GPT = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128}
+
+
+def _cfg(tmp_path, budget, *, strategy="auto", batch="auto", global_batch=64, workers=2, **train):
+    return {"model": {"name": "gpt", "kwargs": GPT},
+            "data": {"source": "synthetic", "batch_size": batch, "num_samples": 4096},
+            "train": {"max_steps": 6, "lr": 1e-3, "global_batch_size": global_batch, **train},
+            "parallel": {"strategy": strategy},
+            "scaling": {"num_workers": workers, "cpus_per_worker": 0.5, "torch_threads": 1,
+                        "memory_budget": budget},
+            "run": {"name": "auto", "storage_path": str(tmp_path), "eval_every": 3,
+                    "checkpoint_every": 0, "eval_batches": 1}}
+
+
+def _total(micro: int, **layout) -> int:
+    lay = Layout(micro_batch=micro, micro_batches=1, **layout)
+    return estimate_memory(model=gpt_shape(GPTSpec(**GPT)), layout=lay).total
+
+
+@pytest.mark.parametrize("budget, strategy", [("1GiB", "ddp"), ("60MiB", "fsdp")])
+def test_strategy_follows_the_decision_guide(tmp_path, budget, strategy):
+    # 1 GiB: a replica and its batch fit -> DDP. 60 MiB: DDP's replica plus gradient
+    # buckets do not fit even at micro-batch 1, FSDP's shard does -> FSDP.
+    job = prepare(_cfg(tmp_path, budget))
+    assert job.config.parallel.strategy == strategy
+    assert job.notes[0].startswith(f"parallel.strategy auto -> {strategy.upper()}: ")
+    assert budget in job.notes[0]  # says where the memory figure came from
+
+
+def test_micro_batch_is_the_largest_that_fits(tmp_path):
+    job = prepare(_cfg(tmp_path, "200MiB", strategy="ddp"))
+    cfg, budget = job.config, 200 * 2**20
+    micro, accum = cfg.data.batch_size, cfg.train.grad_accum_steps
+    assert micro * accum * 2 == 64 and accum > 1  # the global batch is kept, accumulation derived
+    assert _total(micro, dp=2) <= budget < _total(2 * micro, dp=2)
+    assert job.rows_per_step == 64
+    assert "data.batch_size auto -> " in job.notes[-1]
+
+
+def test_auto_batch_for_an_explicit_strategy_and_one_worker(tmp_path):
+    job = prepare(_cfg(tmp_path, "200MiB", strategy="none", workers=1, global_batch=32))
+    micro, accum = job.config.data.batch_size, job.config.train.grad_accum_steps
+    assert micro * accum == 32 and _total(micro) <= 200 * 2**20 < _total(2 * micro)
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"global_batch": None}, "train.global_batch_size"),        # auto batch needs the global batch
+    ({"global_batch": 63}, "train.global_batch_size"),          # not divisible over 2 replicas
+    ({"grad_accum_steps": 4}, "train.grad_accum_steps"),       # derived, not set
+    ({"budget": "20MiB"}, "parallel.strategy"),                 # nothing fits: says so, with sizes
+    ({"budget": "lots"}, "scaling.memory_budget"),
+    ({"batch": 3.5}, "data.batch_size"),
+    ({"batch": 8, "strategy": "ddp"}, "train.global_batch_size"),  # 8 x 1 x 2 != 64
+])
+def test_bad_auto_configs_are_one_line_errors(tmp_path, patch, field):
+    kwargs = {"budget": "1GiB", **patch}
+    with pytest.raises(ConfigError) as err:
+        prepare(_cfg(tmp_path, kwargs.pop("budget"), **kwargs))
+    assert err.value.field == field and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_rtp_train_logs_its_choice_and_trains(tmp_path):
+    """A real `rtp train` on an embedded Ray: the cluster's memory decides, the run
+    directory's config holds the decision, training runs to the end."""
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(_cfg(tmp_path, "60MiB", global_batch=16)))
+    proc = subprocess.run([sys.executable, "-m", "raytrain_platform", "train", str(path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    notes = [ln for ln in proc.stdout.splitlines() if " auto -> " in ln]
+    assert notes[0].startswith("parallel.strategy auto -> FSDP") and "60MiB" in notes[0]
+    assert notes[1].startswith("data.batch_size auto -> ")
+    saved = yaml.safe_load((tmp_path / "auto" / "config.yaml").read_text())
+    assert saved["parallel"]["strategy"] == "fsdp" and isinstance(saved["data"]["batch_size"], int)
+    rows = [json.loads(x) for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 6
