@@ -1,7 +1,7 @@
 """Throughput and per-rank memory of every parallel layout on one gpt config, on CPU.
 
     python benchmarks/strategies.py             # full: ~10 min on 2 CPU cores
-    python benchmarks/strategies.py --smoke     # 3 steps each, checks it still runs
+    python benchmarks/strategies.py --smoke     # 3 steps of 3 layouts, checks it still runs
 
 Each layout trains the same model on the same global batch (32 sequences of 64 bytes
 per optimizer step) with the Ray-free core under torchrun (gloo, 1 torch thread per
@@ -112,20 +112,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--cpu-steps", type=int, default=15, help="steps of the CPU-cost difference")
-    p.add_argument("--smoke", action="store_true", help="3 steps, one repeat; no results file")
+    p.add_argument("--smoke", action="store_true",
+                   help="3 steps of one data-, tensor- and pipeline-parallel layout, one repeat; "
+                        "no results file (tests/test_model_parallel.py checks every layout)")
     args = p.parse_args(argv)
+    layouts = LAYOUTS
     if args.smoke:
         args.repeats, args.steps, args.cpu_steps = 1, 3, 0
-    results: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
+        layouts = {name: LAYOUTS[name] for name in ("none", "tp2", "pp2 1f1b")}
+    results: dict[str, list[dict]] = {name: [] for name in layouts}
     with tempfile.TemporaryDirectory(prefix="rtp-strategies-") as tmp:
         for i in range(args.repeats):
-            for name, (ranks, parallel) in LAYOUTS.items():
+            for name, (ranks, parallel) in layouts.items():
                 slug = f"{name.replace(' ', '_').replace('+', '')}_{i}"
                 results[name].append(run_layout(Path(tmp), slug, ranks, parallel, args.steps))
                 print(f"repeat {i + 1}/{args.repeats} {name}: "
                       f"{results[name][-1]['samples_per_s']:,.1f} samples/s", flush=True)
         cpu = {name: cpu_cost(Path(tmp), f"cpu_{i}", ranks, parallel, args.cpu_steps)
-               for i, (name, (ranks, parallel)) in enumerate(LAYOUTS.items())} if args.cpu_steps else {}
+               for i, (name, (ranks, parallel)) in enumerate(layouts.items())} if args.cpu_steps else {}
     base = statistics.median(r["samples_per_s"] for r in results["none"])
     table = ["| layout | ranks | samples/s (median) | vs none | CPU ms per sample, all ranks | "
              "rank-0 params+grads+optimizer |", "|---|---|---|---|---|---|"]

@@ -27,9 +27,9 @@ def test_serve_bench_smoke():
 
 
 def test_strategies_smoke():
-    """Every layout of the README's strategy table still trains (3 steps each)."""
+    """The strategy benchmark still runs: one layout of each kind, 3 steps each."""
     proc = subprocess.run([sys.executable, "benchmarks/strategies.py", "--smoke"], cwd=ROOT,
                           capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "MiB" in line]
-    assert len(rows) == 10, proc.stdout  # one per layout: none ... pp2 x ddp2
+    assert len(rows) == 3, proc.stdout  # none, tp2, pp2 1f1b

@@ -112,6 +112,7 @@ def doctor(config: Any, overrides: list[str] | None = None, *, workers: list[int
     import ray
 
     from raytrain_platform.doctor.measure import measure_run, worker_counts
+    from raytrain_platform.config import load_config
     from raytrain_platform.errors import ConfigError
     from raytrain_platform.launch.trainer import init_ray, prepare
 
@@ -120,7 +121,8 @@ def doctor(config: Any, overrides: list[str] | None = None, *, workers: list[int
             raise ConfigError(flag, value, f"an integer >= {low}")
     if not 0 < min_efficiency <= 1:
         raise ConfigError("--min-efficiency", min_efficiency, "a fraction in (0, 1]")
-    cfg = prepare(config, overrides).config  # everything validated before Ray starts
+    cfg = load_config(config, overrides)
+    prepare(cfg)  # everything validated before Ray starts; `auto` fields stay for each run
     out_dir = Path(out) if out else Path(cfg.run.storage_path) / f"{cfg.run.name}-doctor"
     out_dir = out_dir.resolve()
     init_ray(address, verbose=False)

@@ -59,7 +59,9 @@ def run_config(cfg: JobConfig, *, workers: int, total_steps: int, out_dir: Path)
     strategy = cfg.parallel.strategy
     if strategy == "none" and workers > 1:
         strategy = "ddp"
-    return cfg.replace({
+    # A global batch written beside an explicit micro-batch grows with the workers here.
+    grows = {} if cfg.data.batch_size == "auto" else {"train.global_batch_size": None}
+    return cfg.replace({**grows,
         "scaling.num_workers": workers, "parallel.strategy": strategy,
         "train.max_steps": total_steps, "train.epochs": None,
         "run.name": f"w{workers}", "run.storage_path": str(out_dir),

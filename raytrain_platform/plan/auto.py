@@ -123,7 +123,7 @@ def _option_for(cfg: JobConfig, plan) -> Option:
         name = "pp_dp" if n > par.pp_size else "pp"
     else:
         name = {"none": "accum"}.get(par.strategy, par.strategy)
-    if name == "ddp" and n == 1:
+    if name in ("ddp", "fsdp") and n == 1:  # one worker holds the whole model either way
         name = "accum"
     return plan.option(name)
 
