@@ -370,7 +370,7 @@ class JobConfig:
         stop = " / ".join(x for x in (
             f"{t.max_steps} steps" if t.max_steps else "", f"{t.epochs} epochs" if t.epochs else "") if x)
         global_batch = (t.global_batch_size if d.batch_size == "auto"
-                        else d.batch_size * t.grad_accum_steps * s.num_workers)
+                        else d.batch_size * t.grad_accum_steps * ParallelDims.from_config(self).dp)
         return (f"run '{self.run.name}': model {self.model.name} ({self.model.task}) on {d.source} data; "
                 f"{self.parallel.strategy} x {s.num_workers} worker(s) "
                 f"({'GPU' if s.use_gpu else 'CPU'}); micro-batch {d.batch_size} x accum "

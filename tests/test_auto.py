@@ -35,13 +35,15 @@ def _total(micro: int, **layout) -> int:
     return estimate_memory(model=gpt_shape(GPTSpec(**GPT)), layout=lay).total
 
 
-@pytest.mark.parametrize("budget, strategy", [("1GiB", "ddp"), ("60MiB", "fsdp")])
-def test_strategy_follows_the_decision_guide(tmp_path, budget, strategy):
+@pytest.mark.parametrize("budget, strategy, tp, label", [
+    ("1GiB", "ddp", 1, "DDP"), ("60MiB", "fsdp", 1, "FSDP"), ("40MiB", "fsdp", 2, "TP x FSDP")])
+def test_strategy_follows_the_decision_guide(tmp_path, budget, strategy, tp, label):
     # 1 GiB: a replica and its batch fit -> DDP. 60 MiB: DDP's replica plus gradient
-    # buckets do not fit even at micro-batch 1, FSDP's shard does -> FSDP.
-    job = prepare(_cfg(tmp_path, budget))
-    assert job.config.parallel.strategy == strategy
-    assert job.notes[0].startswith(f"parallel.strategy auto -> {strategy.upper()}: ")
+    # buckets do not fit even at micro-batch 1, FSDP's shard does -> FSDP. 40 MiB: FSDP's
+    # activations no longer fit either; TP splits them across the 2 workers -> TP x FSDP.
+    job = prepare(_cfg(tmp_path, budget, global_batch=16))
+    assert (job.config.parallel.strategy, job.config.parallel.tp_size) == (strategy, tp)
+    assert job.notes[0].startswith(f"parallel.strategy auto -> {label}: ")
     assert budget in job.notes[0]  # says where the memory figure came from
 
 

@@ -111,10 +111,11 @@ def doctor(config: Any, overrides: list[str] | None = None, *, workers: list[int
     """Measure `config` at several worker counts and diagnose it (see the module docstring)."""
     import ray
 
-    from raytrain_platform.doctor.measure import measure_run, worker_counts
     from raytrain_platform.config import load_config
+    from raytrain_platform.doctor.measure import measure_run, worker_counts
     from raytrain_platform.errors import ConfigError
-    from raytrain_platform.launch.trainer import init_ray, prepare
+    from raytrain_platform.launch.trainer import cluster_hardware, init_ray, prepare
+    from raytrain_platform.plan.auto import has_auto
 
     for flag, value, low in (("--steps", steps, 2), ("--warmup", warmup, 1)):
         if not isinstance(value, int) or value < low:
@@ -122,10 +123,14 @@ def doctor(config: Any, overrides: list[str] | None = None, *, workers: list[int
     if not 0 < min_efficiency <= 1:
         raise ConfigError("--min-efficiency", min_efficiency, "a fraction in (0, 1]")
     cfg = load_config(config, overrides)
-    prepare(cfg)  # everything validated before Ray starts; `auto` fields stay for each run
+    if has_auto(cfg):  # checked against the cluster (each run decides its own `auto` fields)
+        init_ray(address, verbose=False)
+        prepare(cfg, hardware=cluster_hardware(cfg))
+    else:
+        prepare(cfg)  # everything validated before Ray starts
+        init_ray(address, verbose=False)
     out_dir = Path(out) if out else Path(cfg.run.storage_path) / f"{cfg.run.name}-doctor"
     out_dir = out_dir.resolve()
-    init_ray(address, verbose=False)
     counts = worker_counts(cfg, ray.cluster_resources(), workers)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = [measure_run(cfg, workers=n, warmup=warmup, steps=steps, out_dir=out_dir, emit=emit)

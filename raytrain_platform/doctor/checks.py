@@ -75,11 +75,15 @@ class Finding:
 
 
 def scaling_efficiency(runs: list[RunStats]) -> dict[int, float]:
-    """{workers: throughput(n) / (n x throughput(1))} for every run beside the 1-worker one."""
-    base = next((r for r in runs if r.workers == 1), None)
-    if base is None or base.samples_per_s <= 0:
+    """{workers: (throughput(n) / throughput(b)) / (n / b)} for every run beside the
+    smallest one, b (1 worker, or one model replica's ranks under TP/PP)."""
+    if not runs:
         return {}
-    return {r.workers: r.samples_per_s / (r.workers * base.samples_per_s) for r in runs if r.workers > 1}
+    base = min(runs, key=lambda r: r.workers)
+    if base.samples_per_s <= 0:
+        return {}
+    return {r.workers: r.samples_per_s * base.workers / (r.workers * base.samples_per_s)
+            for r in runs if r.workers > base.workers}
 
 
 def _pct(x: float) -> str:
@@ -101,7 +105,7 @@ def _data_loading(runs: list[RunStats]) -> Finding | None:
 
 
 def _batch_too_small(runs: list[RunStats]) -> Finding | None:
-    multi = [r for r in runs if r.workers > 1 and r.comm_frac is not None]
+    multi = [r for r in runs if r.workers > 1 and r.comm_frac is not None]  # gradient all-reduce
     if not multi:
         return None
     worst = max(multi, key=lambda r: r.comm_frac)

@@ -5,7 +5,9 @@ each a real TorchTrainer run with step profiling on (core/profile.py), summarise
 A run is ``warmup + 2 x steps`` optimizer steps: warm-up (not recorded), ``steps`` normal
 steps (throughput, data wait) and ``steps`` breakdown steps (the gradient all-reduce
 timed on its own). Per-worker micro-batch and accumulation stay as configured (weak
-scaling: the global batch grows with the workers, as it does when you add GPUs).
+scaling: the global batch grows with the workers, as it does when you add GPUs); with
+``data.batch_size: auto`` the global batch stays and each run fits its own micro-batch.
+Counts are multiples of one model replica's ranks (``tp_size x pp_size``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ __all__ = ["worker_counts", "measure_run", "summarise_profile"]
 
 
 def worker_counts(cfg: JobConfig, cluster: dict[str, float], requested: list[int] | None) -> list[int]:
-    """1, 2, then doubling while the cluster has room, up to max(2, scaling.num_workers);
-    or the `requested` counts, checked against the cluster."""
+    """1, 2, then doubling while the cluster has room, up to max(2, scaling.num_workers),
+    in units of one model replica's ranks (tp x pp); or the `requested` counts, checked
+    against the cluster and the replica size."""
+    unit = cfg.parallel.tp_size * cfg.parallel.pp_size
     per_worker = {"GPU": 1.0} if cfg.scaling.use_gpu else {"CPU": cfg.scaling.cpus_per_worker}
     reserve = {"CPU": 0.5}  # Ray Data's read tasks (see launch.trainer._check_cpu_headroom)
 
@@ -36,20 +40,22 @@ def worker_counts(cfg: JobConfig, cluster: dict[str, float], requested: list[int
 
     if requested:
         for n in requested:
+            if n % unit:
+                raise ConfigError("--workers", n, f"a multiple of parallel.tp_size x pp_size ({unit})")
             if not fits(n):
                 raise ConfigError("--workers", n, f"a count the cluster has room for ({cluster.get('CPU', 0):g} "
                                   f"CPUs, {cluster.get('GPU', 0):g} GPUs; each worker needs "
                                   f"{per_worker}, plus 0.5 CPU for Ray Data)")
         return sorted(set(requested))
-    counts, n = [], 1
-    while n <= max(2, cfg.scaling.num_workers) and fits(n):
+    counts, n = [], unit
+    while n <= max(2 * unit, cfg.scaling.num_workers) and fits(n):
         counts.append(n)
         n *= 2
     if len(counts) < 2:
         raise ConfigError("scaling.cpus_per_worker" if not cfg.scaling.use_gpu else "scaling.use_gpu",
                           cfg.scaling.cpus_per_worker if not cfg.scaling.use_gpu else True,
-                          f"room for 2 workers on this cluster ({cluster.get('CPU', 0):g} CPUs, "
-                          f"{cluster.get('GPU', 0):g} GPUs): the doctor compares 1 and 2 workers")
+                          f"room for {2 * unit} workers on this cluster ({cluster.get('CPU', 0):g} CPUs, "
+                          f"{cluster.get('GPU', 0):g} GPUs): the doctor compares {unit} and {2 * unit}")
     return counts
 
 

@@ -77,10 +77,10 @@ class RayBatches:
     def train_epoch(self, epoch: int):
         d = self.cfg.data
         seed = (d.shuffle_seed if d.shuffle_seed is not None else self.cfg.train.seed) + epoch
-        if self.model_parallel:
-            return deal(self._iter(self.train_it, shuffle_seed=seed), rank=self.data_rank,
-                        world=self.data_world,
-                        rounds=self.job.data.num_train // (self.data_world * d.batch_size))
+        if self.model_parallel:  # unsplit (split_across_workers false): every rank reads all
+            world = self.data_world if d.split_across_workers else 1
+            return deal(self._iter(self.train_it, shuffle_seed=seed), rank=self.data_rank % world,
+                        world=world, rounds=self.job.data.num_train // (world * d.batch_size))
         return self._iter(self.train_it, shuffle_seed=seed)
 
     def val_batches(self, n: int):

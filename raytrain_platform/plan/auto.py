@@ -151,7 +151,7 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
             raise ConfigError("parallel.strategy", "auto", "a layout that fits, and none does: "
                               + "; ".join(plan.reasons) + f"; budget {budget}")
         changes.update(_strategy_fields(opt))
-        if changes["parallel.strategy"] == "none" and n > 1:
+        if opt.strategy in ("none", "accum") and n > 1:
             raise ConfigError("scaling.num_workers", n, f"1: the plan puts the model on one device "
                               f"({'; '.join(plan.reasons)}), so more workers would idle")
         why.append(f"parallel.strategy auto -> {LABELS[opt.strategy]}: {plan.reasons[0]} "
