@@ -82,7 +82,9 @@ def test_healthy_config_gets_no_flags(tmp_path, ray_cluster):
 
 
 def test_slow_data_source_is_flagged(tmp_path, ray_cluster):
-    cfg = _cfg(tmp_path, "slow", data={"max_read_rows_per_s": 100, "batch_size": 32})
+    # 1024 rows: the throttled source cuts them into 16-row blocks, one Ray Data task each.
+    cfg = _cfg(tmp_path, "slow", data={"max_read_rows_per_s": 100, "batch_size": 32,
+                                       "num_samples": 1024, "val_fraction": 0.1})
     report = doctor(cfg, workers=[1], steps=5, warmup=3)
     assert _checks(report) == ["data_loading"], [f.to_dict() for f in report.findings]
     assert report.runs[0].data_wait_frac > 0.5
