@@ -231,8 +231,37 @@ class ScalingConfig:
     cpus_per_worker: float = 1.0
     torch_threads: Union[int, None] = None  # intra-op threads per worker; default from CPUs
     memory_budget: Union[str, None] = None  # per CPU worker, for the auto fields, e.g. "4GiB"
+    # Elastic: `num_workers: {min: 1, max: 4}` is stored as num_workers 4, min_workers 1. Ray
+    # starts with what the cluster has (>= min) and restarts smaller or larger after a
+    # failure; the global batch stays num_workers x batch x accum (accumulation makes it up).
+    min_workers: Union[int, None] = None
+    placement_strategy: str = "PACK"  # Ray placement group: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+
+    _PLACEMENT: ClassVar[tuple[str, ...]] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+    @classmethod
+    def normalize(cls, data: dict) -> dict:
+        """``num_workers: {min: m, max: M}`` -> ``num_workers: M, min_workers: m``."""
+        n = data.get("num_workers")
+        if not isinstance(n, dict):
+            return data
+        _check(set(n) == {"min", "max"} and all(isinstance(v, int) and not isinstance(v, bool)
+                                                 for v in n.values()),
+               "scaling.num_workers", n, "an integer >= 1, or {min: M, max: N} with integers (elastic)")
+        _check("min_workers" not in data, "scaling.min_workers", data.get("min_workers"),
+               "unset when scaling.num_workers is {min, max}")
+        return {**data, "num_workers": n["max"], "min_workers": n["min"]}
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers < self.num_workers
 
     def __post_init__(self) -> None:
+        _check(self.min_workers is None or 1 <= self.min_workers <= self.num_workers,
+               "scaling.min_workers", self.min_workers,
+               f"null or an integer from 1 to scaling.num_workers ({self.num_workers})")
+        _check(self.placement_strategy in self._PLACEMENT, "scaling.placement_strategy",
+               self.placement_strategy, f"one of {list(self._PLACEMENT)}")
         if self.memory_budget is not None:
             parse_size("scaling.memory_budget", self.memory_budget)
         _check(self.num_workers >= 1, "scaling.num_workers", self.num_workers, "an integer >= 1")
@@ -315,6 +344,11 @@ class JobConfig:
                    "scaling.num_workers", self.scaling.num_workers,
                    f"{strat.describe_workers()} per model replica (data-parallel size {n}) for "
                    f"parallel.strategy '{par.strategy}'")
+        if self.scaling.elastic:
+            _check(par.tp_size == par.pp_size == 1 and par.strategy in ("ddp", "fsdp", "auto"),
+                   "scaling.min_workers", self.scaling.min_workers,
+                   "null (fixed size) unless parallel.strategy is ddp, fsdp or auto with tp_size and "
+                   "pp_size 1: an elastic worker group changes the data-parallel size only")
         t = self.train
         if self.data.batch_size == "auto":
             _check(t.global_batch_size is not None, "train.global_batch_size", None,
@@ -373,6 +407,7 @@ class JobConfig:
                         else d.batch_size * t.grad_accum_steps * ParallelDims.from_config(self).dp)
         return (f"run '{self.run.name}': model {self.model.name} ({self.model.task}) on {d.source} data; "
                 f"{self.parallel.strategy} x {s.num_workers} worker(s) "
+                f"{f'(elastic, from {s.min_workers}) ' if s.elastic else ''}"
                 f"({'GPU' if s.use_gpu else 'CPU'}); micro-batch {d.batch_size} x accum "
                 f"{t.grad_accum_steps} = global batch {global_batch}; {stop}; "
                 f"run dir {self.run.run_dir}")
@@ -385,6 +420,8 @@ def _section_dict(section: Any) -> dict:
 def _build_section(cls: type, data: Any) -> Any:
     section = cls.SECTION
     _check(isinstance(data, dict), section, data, "a mapping of keys to values")
+    if hasattr(cls, "normalize"):  # a section's shorthand forms, e.g. elastic num_workers
+        data = cls.normalize(data)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:

@@ -33,6 +33,18 @@ class ResolvedJob:
         c = self.config
         return ParallelDims.from_config(c).dp * c.data.batch_size * c.train.grad_accum_steps
 
+    def at_world_size(self, world: int) -> "ResolvedJob":
+        """This job on the `world` workers an elastic run got: accumulation makes up the
+        missing workers, so the global batch, the steps per epoch and the LR schedule are
+        the run's own (resolve_job checked the division for every size in range)."""
+        s, t = self.config.scaling, self.config.train
+        if world == s.num_workers:
+            return self
+        accum = t.grad_accum_steps * s.num_workers // world
+        cfg = self.config.replace({"scaling.num_workers": world, "scaling.min_workers": min(s.min_workers, world),
+                                   "train.grad_accum_steps": accum, "train.global_batch_size": None})
+        return dataclasses.replace(self, config=cfg)
+
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "data": dataclasses.asdict(self.data),
                 "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
@@ -100,6 +112,8 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
             f"the validation split has {info.num_val} rows, fewer than scaling.num_workers ({world}) "
             f"x data.batch_size ({batch}) = {world * batch}; raise data.val_fraction, or set it to 0 "
             "to skip validation")
+    if cfg.scaling.elastic:
+        _check_elastic(cfg)
     limits = []
     if cfg.train.max_steps:
         limits.append(cfg.train.max_steps)
@@ -107,3 +121,19 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
         limits.append(cfg.train.epochs * steps_per_epoch)
     return ResolvedJob(config=cfg, data=info, steps_per_epoch=steps_per_epoch, total_steps=min(limits),
                        notes=tuple(notes))
+
+
+def _check_elastic(cfg: JobConfig) -> None:
+    """Every worker count an elastic run may get must keep the global batch: the
+    accumulation it then needs, grad_accum_steps x max / n, is a whole number."""
+    import math
+
+    lo, hi, accum = cfg.scaling.min_workers, cfg.scaling.num_workers, cfg.train.grad_accum_steps
+    bad = [n for n in range(lo, hi + 1) if (accum * hi) % n]
+    if bad:
+        need = math.lcm(*range(lo, hi + 1))
+        fix = need // math.gcd(need, hi)
+        raise ConfigError("train.grad_accum_steps", accum,
+                          f"a multiple of {fix}: with scaling.num_workers from {lo} to {hi}, "
+                          f"grad_accum_steps x {hi} must divide by every worker count, so the global "
+                          f"batch stays the same on {bad[0]} worker(s)")

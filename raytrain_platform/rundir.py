@@ -79,18 +79,29 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
 
 def _is_complete(ckpt: Path) -> bool:
     """trainer_state.json is written last, but a copy to storage (Ray uploads each
-    rank's files) may land it before the others: check the files it vouches for."""
+    rank's files) may land it before the others: check the files it vouches for, at
+    their recorded sizes, and a sharded checkpoint's shards against its index."""
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+        sizes = dict(state.get("files") or {})
+    except (OSError, ValueError, TypeError, AttributeError):
         return False
     needed = ["sharded/.metadata"] if state.get("sharded") else ["model.safetensors", "optimizer.pt"]
-    return all((ckpt / name).is_file() for name in needed)
+    for name in needed:
+        sizes.setdefault(name, None)  # checkpoints from before sizes were recorded: present
+    for name, size in sizes.items():
+        f = ckpt / name
+        if ".." in Path(name).parts or not f.is_file() or (size is not None and f.stat().st_size != size):
+            return False
+    if state.get("sharded"):
+        from raytrain_platform.core.sharded import shards_complete  # torch: only for sharded ones
+
+        return shards_complete(ckpt)
+    return True
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints, oldest first (a sharded one's shard files are checked when
-    it is loaded: listing them needs its index)."""
+    """Complete checkpoints (every file whole; see `_is_complete`), oldest first."""
     root = Path(run_dir)
     if not root.is_dir():
         return []

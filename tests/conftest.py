@@ -1,5 +1,8 @@
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +63,45 @@ def run_torchrun(tmp: Path, name: str, nproc: int, **patch) -> list[float]:
     return [r["loss"] for r in rows]
 
 
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left."""
+    if proc.poll() is not None and not _group_alive(proc.pid):
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait
+        while time.time() < deadline and _group_alive(proc.pid):
+            try:
+                proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+        if not _group_alive(proc.pid):
+            return
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"process exited with {proc.returncode} while waiting for {what}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One real local Ray per test module (start-up is the expensive part)."""
@@ -67,6 +109,8 @@ def ray_cluster():
 
     from raytrain_platform.launch.trainer import JOB_ENV
 
+    for key, value in JOB_ENV.items():  # the driver's side of it, as `rtp train` sets it
+        os.environ.setdefault(key, value)
     # The job's environment as `rtp train` sets it.
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": dict(JOB_ENV)})

@@ -1,35 +1,67 @@
 """Benchmarks are not timed in tests; their --smoke mode runs here so they don't rot."""
 
+import json
 import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
+def _run(args: list[str], timeout: int = 380) -> str:
+    proc = subprocess.run([sys.executable, *args], check=False, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_train_vs_loop_smoke():
-    proc = subprocess.run([sys.executable, "benchmarks/train_vs_loop.py", "--smoke"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("Ray Data from Parquet vs in-memory loop") == 2
-    assert "quickstart data wait" in proc.stdout
+    out = _run(["benchmarks/train_vs_loop.py", "--smoke"])
+    assert out.count("Ray Data from Parquet vs in-memory loop") == 1  # smoke: the small model
+    assert "quickstart data wait" in out
 
 
 def test_serve_bench_smoke():
-    proc = subprocess.run([sys.executable, "benchmarks/serve_bench.py", "--smoke"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| mlp-small | on | 4 | 16 |" in proc.stdout and "| gpt | off | 1 | 4 |" in proc.stdout
-    assert "batching gives" in proc.stdout
+    out = _run(["benchmarks/serve_bench.py", "--smoke"])
+    assert "| mlp-small | on | 4 | 16 |" in out and "| gpt | off | 1 | 4 |" in out
+    assert "batching gives" in out
 
 
 def test_strategies_smoke():
     """The strategy benchmark still runs: one layout of each kind, 3 steps each."""
-    proc = subprocess.run([sys.executable, "benchmarks/strategies.py", "--smoke"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "MiB" in line]
-    assert len(rows) == 3, proc.stdout  # none, tp2, pp2 1f1b
+    out = _run(["benchmarks/strategies.py", "--smoke"])
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "MiB" in line]
+    assert len(rows) == 3, out  # none, tp2, pp2 1f1b
+
+
+def test_run_smoke(tmp_path):
+    """The one-command runner's new comparisons at tiny sizes, through its results writer,
+    all on one Ray: Ray Data vs DataLoader ingest (and the tuning variants), 2-worker DDP
+    with accumulation, and `rtp train` / the bare TorchTrainer script each reaching their
+    first optimizer step. Nothing is timed; three Ray Train runs make most of its time."""
+    _run(["benchmarks/run.py", "--smoke", "--out-dir", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    variants = results["ingest"]["variants"]
+    assert set(variants) == {"ray_data", "dataloader", "ray_tuned", "ray_data_2w"}
+    assert all(v["rows"] > 0 and v["rows_per_s"] > 0 for v in variants.values()), variants
+    assert variants["ray_data"]["rows"] == variants["dataloader"]["rows"]  # the same batches
+    assert results["scaling"]["samples_per_s"]["2w_accum4"] > 0
+    assert results["startup"]["rtp_first_step_s"] > 0 and results["startup"]["bare_first_step_s"] > 0
+    table = (tmp_path / "results.md").read_text()
+    assert "| Ray Data ingest as the platform uses it (1 worker) vs torch DataLoader" in table
+    assert "| start-up: `rtp train` to the first optimizer step" in table
+
+
+def test_gpu_train_and_profile_smoke(tmp_path):
+    """The GPU benchmark's tiny preset on CPU (gloo, FSDP2, 1 process: its loss must fall)
+    and the step profiler on 2 torchrun ranks."""
+    _run(["benchmarks/gpu_train.py", "--smoke", "--out", str(tmp_path / "gpu.json")], timeout=120)
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["ok"] and not result["timed_out"], result
+    run, = result["runs"]
+    assert run["loss_fell"] and run["tokens_per_s"] > 0 and 0 < run["mfu"] < 1, run
+    _run(["benchmarks/profile_step.py", "--smoke", "--out", str(tmp_path / "profile.md")], timeout=120)
+    profile = (tmp_path / "profile.md").read_text()
+    assert "`rtp::micro_step`" in profile and "`aten::mm`" in profile

@@ -1,64 +1,24 @@
-"""End to end through processes: `rtp train` killed and rerun, and `ray job submit`
-against a real `ray start --head` on 127.0.0.1. Every process a test starts is
-stopped by its own process group when the test ends."""
+"""End to end through processes: `rtp train` (driver, embedded Ray and workers) killed
+with SIGKILL and rerun. `ray job submit` to a real multi-node cluster is
+tests/test_cluster.py. Every process a test starts is stopped by its own process group
+when the test ends."""
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import ROOT, free_port, mlp_config, torchrun_metrics
+from conftest import ROOT, mlp_config, stop_group as _stop_group, torchrun_metrics, \
+    wait_for as _wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 BIN = Path(sys.executable).parent
 TESTS = Path(__file__).resolve().parent
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left."""
-    if proc.poll() is not None and not _group_alive(proc.pid):
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.time() + wait
-        while time.time() < deadline and _group_alive(proc.pid):
-            try:
-                proc.wait(timeout=0.2)
-            except subprocess.TimeoutExpired:
-                pass
-        if not _group_alive(proc.pid):
-            return
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"process exited with {proc.returncode} while waiting for {what}")
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def _slow_run_config(tmp_path: Path, name: str) -> Path:
@@ -127,53 +87,3 @@ def test_killed_run_resumes_when_rerun(tmp_path):
     assert kept == ["checkpoint_000030", "checkpoint_000040"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 40
-
-
-@pytest.fixture
-def ray_head(tmp_path):
-    """`ray start --head --block` on 127.0.0.1 with its own temp dir; stopped by its pgid."""
-    temp_dir = Path("/tmp") / f"rtp-head-{uuid.uuid4().hex[:8]}"  # short: Ray's socket paths
-    port, dash = free_port(), free_port()
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
-           "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
-           "--disable-usage-stats"]
-    log = tmp_path / "head.log"
-    # The job's `python` is looked up on the head's PATH: this environment's.
-    head_env = {**os.environ, "RAY_ADDRESS": "", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    head = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env=head_env)
-    address = f"http://127.0.0.1:{dash}"
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": address}
-    try:
-        _wait_for(lambda: subprocess.run([str(BIN / "ray"), "job", "list", "--address", address],
-                                         env=env, capture_output=True, timeout=60).returncode == 0,
-                  180, "the head's job server", head)
-        yield address, env
-    finally:
-        _stop_group(head, grace_s=5.0)  # gcs_server outlives SIGTERM by ~30 s: not worth waiting
-        subprocess.run(["rm", "-rf", str(temp_dir)], check=False)
-
-
-def test_ray_job_submit_runs_the_pipeline(ray_head, tmp_path):
-    address, env = ray_head
-    storage = tmp_path / "runs"
-    job_id = f"rtp-e2e-{uuid.uuid4().hex[:8]}"
-    submit = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", job_id,
-         "--working-dir", str(ROOT), "--",
-         "python", "pipelines/train.py", "--config", "pipelines/configs/quickstart.yaml",
-         "--set", f"run.storage_path={storage}", "--set", "train.max_steps=6",
-         "--set", "run.eval_every=3", "--set", "run.checkpoint_every=3",
-         "--set", "data.max_files=40"],
-        env=env, capture_output=True, text=True, timeout=360)
-    status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, job_id],
-                            env=env, capture_output=True, text=True, timeout=60)
-    assert re.search(r"Job '[^']+' succeeded", status.stdout), (submit.stdout[-3000:], status.stdout)
-    assert "done: 6 steps" in submit.stdout
-    run_dir = storage / "quickstart"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 6
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 7)) and "val_perplexity" in rows[-1]
-    assert (run_dir / "checkpoint_000006" / "model.safetensors").exists()

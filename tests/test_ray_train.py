@@ -44,23 +44,29 @@ def _losses(result):
 
 
 def test_ddp_and_accumulation_match_single_process(ray_cluster, tmp_path):
-    """1x2B == 2 DDP x B == 1 x B x accum 2 == 2 x B/2 x accum 2, over 10 optimizer steps."""
+    """1x2B == 2 DDP x B == 1 x B x accum 2 == 2 x B/2 x accum 2, over 10 optimizer steps.
+    The one-process references run under torchrun (the same engine without Ray, whose
+    losses equal a Ray run's: shown below for 2 x B), the data-parallel ones on Ray."""
     runs = {
         "one_2b": dict(data={"batch_size": 16}),
-        "ddp_b": dict(data={"batch_size": 8}, parallel={"strategy": "ddp"}, scaling={"num_workers": 2}),
         "accum": dict(data={"batch_size": 8}, train={"grad_accum_steps": 2}),
+        "ddp_b": dict(data={"batch_size": 8}, parallel={"strategy": "ddp"}, scaling={"num_workers": 2}),
         "ddp_accum": dict(data={"batch_size": 4}, train={"grad_accum_steps": 2},
                           parallel={"strategy": "ddp"}, scaling={"num_workers": 2}),
     }
-    results = {}
+    losses, results = {}, {}
     for name, patch in runs.items():
         patch.setdefault("train", {})
         patch["train"] = {**mlp_config(tmp_path, name)["train"], **patch["train"]}
-        results[name] = train(mlp_config(tmp_path, name, **patch), progress=False)
-    ref = torch.tensor(_losses(results["one_2b"]))
+        if name.startswith("ddp"):
+            results[name] = train(mlp_config(tmp_path, name, **patch), progress=False)
+            losses[name] = _losses(results[name])
+        else:
+            losses[name] = run_torchrun(tmp_path / "torchrun", name, 1, **patch)
+    ref = torch.tensor(losses["one_2b"])
     assert len(ref) == 10 and ref[-1] < ref[0]
-    for name, res in results.items():
-        torch.testing.assert_close(torch.tensor(_losses(res)), ref, rtol=1e-5, atol=1e-6,
+    for name, got in losses.items():
+        torch.testing.assert_close(torch.tensor(got), ref, rtol=1e-5, atol=1e-6,
                                    msg=f"{name} diverges from 1 worker x 2B")
     # One gradient all-reduce per optimizer step whatever the accumulation (this model's
     # gradients fit one DDP bucket), counted by the comm hook on every step.
@@ -69,23 +75,26 @@ def test_ddp_and_accumulation_match_single_process(ray_cluster, tmp_path):
 
     # The same config under plain torchrun (no Ray, the core's own reader) gives the same losses.
     torchrun = run_torchrun(tmp_path / "torchrun", "ddp_b", 2, **runs["ddp_b"])
-    torch.testing.assert_close(torch.tensor(torchrun), torch.tensor(_losses(results["ddp_b"])),
+    torch.testing.assert_close(torch.tensor(torchrun), torch.tensor(losses["ddp_b"]),
                                rtol=1e-5, atol=1e-6, msg="torchrun core diverges from the Ray run")
 
     run_dir = results["ddp_b"].run_dir
-    for name in ("config.yaml", "metrics.jsonl", "summary.json", "plot.png"):
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "plot.png", "workers.json"):
         assert (run_dir / name).exists(), name
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 10 and summary["best_checkpoint"]
     rows = results["ddp_b"].metrics
     assert {"val_loss", "val_accuracy"} <= set(rows[-1]) and rows[-1]["samples_per_s"] > 0
     assert 0.0 <= rows[-1]["data_wait_frac"] <= 1.0
+    [attempt] = json.loads((run_dir / "workers.json").read_text())["attempts"]
+    assert [w["rank"] for w in attempt["workers"]] == [0, 1] and attempt["world_size"] == 2
 
 
 def test_same_config_twice_gives_same_losses_and_resumes(ray_cluster, tmp_path):
+    """Bit-identical losses from the same config (the Ray run and the torchrun core, in
+    other processes), and the same run.name again restores instead of retraining."""
     first = train(mlp_config(tmp_path, "rep"), progress=False)
-    again = train(mlp_config(tmp_path, "rep2"), progress=False)
-    assert _losses(first) == _losses(again)
+    assert _losses(first) == run_torchrun(tmp_path / "torchrun", "rep", 1)
     # the same run.name again: Ray Train restores the latest checkpoint, nothing is redone
     resumed = train(mlp_config(tmp_path, "rep"), progress=False)
     assert [m["step"] for m in resumed.metrics] == list(range(1, 11))

@@ -195,7 +195,8 @@ def test_a_sharded_fsdp_checkpoint_is_served_from_its_shards(runs, tmp_path):
     shutil.copy(source / "config.yaml", sharded / "config.yaml")
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(sharded / "sharded"), no_dist=True)
     state = json.loads((source / "trainer_state.json").read_text())
-    (sharded / "trainer_state.json").write_text(json.dumps({**state, "sharded": True}))
+    files = {str(f.relative_to(sharded)): f.stat().st_size for f in sharded.rglob("*") if f.is_file()}
+    (sharded / "trainer_state.json").write_text(json.dumps({**state, "sharded": True, "files": files}))
     served_model, info = load_served_model("fsdp", str(sharded.parent))
     assert info["step"] == 2 and info["checkpoint"] == str(sharded)
     x = torch.tensor(_rows(4))

@@ -67,11 +67,15 @@ def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
     if not is_rank0:
         return
     (d / CONFIG_FILE).write_text(config_yaml)
-    # Written last (after the collective save, so every shard is on disk): marks it complete.
+    # Written last (after the collective save, so every shard is on disk): marks it complete,
+    # with the size of each file beside it. A copy to storage (Ray uploads the directory)
+    # may land this file before the others are whole; rundir.list_checkpoints checks them.
+    files = {str(f.relative_to(d)): f.stat().st_size for f in sorted(d.rglob("*"))
+             if f.is_file() and f.name != STATE_FILE}
     write_json(d / STATE_FILE, {"format_version": FORMAT_VERSION, "state": asdict(state),
                                 "layout": {"world_size": world_size, "batch_size": batch_size},
                                 "scheduler": {"step": state.step, "lr": lr},
-                                "metrics": metrics, "sharded": bool(par.sharded)})
+                                "metrics": metrics, "sharded": bool(par.sharded), "files": files})
 
 
 def write_weights(path: str | os.PathLike, model: torch.nn.Module, **metadata: str) -> None:

@@ -130,13 +130,31 @@ def _reader(directory: str | os.PathLike) -> SafeFileSystemReader:
         raise CheckpointError(f"{directory}: no {SHARDED_DIR}/{_METADATA_FILE} (partial sharded checkpoint)")
     reader = SafeFileSystemReader(str(path))
     metadata = reader.read_metadata()  # refused here with a plain CheckpointError, not wrapped by DCP
-    for name in sorted({info.relative_path for info in (metadata.storage_data or {}).values()}):
+    # Each shard must hold every byte range the index places in it: a shard cut short by
+    # a kill during its copy to storage is refused here, not read as garbage.
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = info.relative_path
         if not (isinstance(name, str) and _SHARD_FILE.match(name)):
             raise CheckpointError(f"{path}: the index names file {name!r}; only this checkpoint's "
                                   "own __<rank>_<n>.distcp shard files are read")
+        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(ends.items()):
         if not (path / name).is_file():
             raise CheckpointError(f"{path}: shard {name} is missing (incomplete sharded checkpoint)")
+        if (path / name).stat().st_size < end:
+            raise CheckpointError(f"{path}: shard {name} is {(path / name).stat().st_size} bytes, the "
+                                  f"index needs {end} (cut short: incomplete sharded checkpoint)")
     return reader
+
+
+def shards_complete(directory: str | os.PathLike) -> bool:
+    """Whether a sharded checkpoint's index reads and every shard it names is whole."""
+    try:
+        _reader(directory)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _load(state: dict, directory: str | os.PathLike, what: str, **kwargs) -> None:

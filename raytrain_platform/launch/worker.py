@@ -4,6 +4,7 @@ dataset shard as a `BatchSource`, and hands over to the Ray-free engine."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -18,7 +19,7 @@ from raytrain_platform.core.engine import run_training
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.core.profile import StepProfiler
 from raytrain_platform.resolve import ResolvedJob, val_rounds
-from raytrain_platform.rundir import checkpoint_name
+from raytrain_platform.rundir import checkpoint_name, write_json
 
 __all__ = ["train_loop_per_worker", "deal"]
 
@@ -122,6 +123,42 @@ def _warn_if_tp_spans_nodes(tp_size: int, local_world_size: int) -> None:
                       "its all-reduces use the inter-node network (slow); keep TP inside a node")
 
 
+WORKERS_FILE = "workers.json"  # in the run directory: where each attempt's workers ran
+
+
+def _record_workers(run_dir: str, env: DistEnv, job: ResolvedJob) -> None:
+    """Append this attempt's workers (rank, node id, host, pid) to the run directory's
+    workers.json: where a run's ranks were placed, and after a failure or an elastic
+    restart, on how many workers it went on."""
+    import socket
+    import time
+
+    import ray
+    import torch.distributed as dist
+
+    me = {"rank": env.rank, "node_id": ray.get_runtime_context().get_node_id(),
+          "host": socket.gethostname(), "pid": os.getpid()}
+    everyone = [me]
+    if dist.is_initialized() and env.world_size > 1:
+        everyone = [None] * env.world_size
+        dist.all_gather_object(everyone, me)
+    if not env.is_rank0:
+        return
+    path = Path(run_dir) / WORKERS_FILE
+    try:
+        attempts = json.loads(path.read_text())["attempts"]
+    except (OSError, ValueError, KeyError):
+        attempts = []
+    s, t = job.config.scaling, job.config.train
+    attempts.append({"time": time.time(), "world_size": env.world_size,
+                     "grad_accum_steps": t.grad_accum_steps, "workers": everyone})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"attempts": attempts})
+    if s.min_workers is not None or len(attempts) > 1:  # elastic, or restarted after a failure
+        print(f"attempt {len(attempts)}: {env.world_size} worker(s), grad_accum_steps "
+              f"{t.grad_accum_steps} (global batch {job.rows_per_step})", flush=True)
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train
 
@@ -129,6 +166,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     cfg = job.config
     torch.set_num_threads(cfg.scaling.torch_threads or max(1, math.floor(cfg.scaling.cpus_per_worker)))
     env = DistEnv.current(use_gpu=cfg.scaling.use_gpu)
+    if cfg.scaling.elastic:  # the worker count Ray got, with accumulation keeping the global batch
+        job = job.at_world_size(env.world_size)
+        cfg = job.config
+    _record_workers(cfg.run.run_dir, env, job)
     _warn_if_tp_spans_nodes(cfg.parallel.tp_size, ray.train.get_context().get_local_world_size())
     checkpoint = ray.train.get_checkpoint()
     source, reporter = RayBatches(job, env), RayReporter()

@@ -175,4 +175,9 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
     elif opt.fits and opt.layout is not None and cfg.data.batch_size > opt.layout.micro_batch:
         why.append(f"warning: data.batch_size {cfg.data.batch_size} exceeds the {opt.layout.micro_batch} "
                    f"the memory model fits in {budget}; consider data.batch_size: auto")
-    return cfg.replace(changes), why
+    try:
+        return cfg.replace(changes), why
+    except ConfigError as exc:  # a setting that cannot go with what the plan chose
+        chose = ", ".join(f"{k} {v}" for k, v in changes.items())
+        raise ConfigError(exc.field, exc.value, f"{exc.allowed}; here the auto fields became {chose} "
+                          "(set them explicitly to keep this setting)") from None

@@ -1,0 +1,79 @@
+"""What the benchmark modules share: interleaved repeats, medians, a local Ray, the
+training data. Benchmarks time things; tests only run their ``--smoke`` mode."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+T = TypeVar("T")
+
+__all__ = ["ROOT", "interleaved", "load_avg", "local_ray", "median", "stamp", "tabular_data"]
+
+
+def interleaved(sides: dict[str, Callable[[int], T]], repeats: int, *, label: str = "") -> dict[str, list[T]]:
+    """Each side once per repeat, in turn (A, B, C, A, B, C, ...): all sides see the
+    same drift of a shared machine. Side functions take the repeat index."""
+    out: dict[str, list[T]] = {name: [] for name in sides}
+    for i in range(repeats):
+        for name, fn in sides.items():
+            t0 = time.perf_counter()
+            out[name].append(fn(i))
+            print(f"{label}repeat {i + 1}/{repeats} {name}: {_short(out[name][-1])} "
+                  f"({time.perf_counter() - t0:.1f}s, load {load_avg():.1f})", flush=True)
+    return out
+
+
+def _short(value) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v:,.3g}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in value.items() if not isinstance(v, (dict, list)))
+    return str(value)
+
+
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def load_avg() -> float:
+    """1-minute load average: how busy the machine was (other jobs share it)."""
+    return os.getloadavg()[0]
+
+
+def stamp() -> dict:
+    """When and under what load a figure was measured, stored beside it."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "load_avg_1m": round(load_avg(), 1)}
+
+
+def local_ray(num_cpus: int = 2) -> None:
+    """A fresh embedded Ray with this machine's CPUs, quiet, as `rtp train` starts one
+    (the platform's `train` then reuses it: `init_ray` is a no-op when connected)."""
+    import ray
+
+    from raytrain_platform.launch.trainer import JOB_ENV
+
+    for k, v in JOB_ENV.items():
+        os.environ.setdefault(k, v)
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 logging_level="WARNING", runtime_env={"env_vars": dict(JOB_ENV)})
+
+
+def tabular_data(folder: Path, rows: int, *, features: int = 64, classes: int = 8,
+                 row_group_rows: int = 4096) -> Path:
+    """Synthetic classification rows as 4 Parquet files (the platform's own writer)."""
+    from raytrain_platform.data.generate import write_tabular_parquet
+
+    if not any(folder.glob("*.parquet")):
+        write_tabular_parquet(folder, rows=rows, features=features, classes=classes, files=4,
+                              row_group_rows=row_group_rows)
+    return folder
