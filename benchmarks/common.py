@@ -54,6 +54,15 @@ def stamp() -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "load_avg_1m": round(load_avg(), 1)}
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (torchrun rendezvous, Serve's HTTP proxy)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def local_ray(num_cpus: int = 2) -> None:
     """A fresh embedded Ray with this machine's CPUs, quiet, as `rtp train` starts one
     (the platform's `train` then reuses it: `init_ray` is a no-op when connected)."""

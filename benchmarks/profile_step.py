@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from common import free_port  # noqa: E402
 
 QUICKSTART = ROOT / "pipelines/configs/quickstart.yaml"
 PHASES = ("rtp::next_batch", "rtp::micro_step", "rtp::optimizer_step", "rtp::step_metrics")
@@ -140,12 +141,6 @@ def _report(prof, *, active: int, steps: int, wall: float, final: dict, world: i
     return "\n".join(lines) + "\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="2 profiled steps; output to a temporary file")
@@ -161,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(out, args.warmup, args.active)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), str(Path(__file__).resolve()), "--worker",
+           "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()), "--worker",
            "--out", str(out), "--warmup", str(args.warmup), "--active", str(args.active)]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode == 0:

@@ -1,6 +1,7 @@
 """Serving throughput and latency, with and without dynamic batching, on CPU.
 
-    python benchmarks/serve_bench.py            # full: a few minutes on 2 CPU cores
+    python benchmarks/serve_bench.py            # full: about 5 minutes on 2 quiet CPU cores
+    python benchmarks/serve_bench.py --quick    # the mlp models at 32 clients only, once (~1.5 min)
     python benchmarks/serve_bench.py --smoke    # a few requests; checks it still runs
 
 For each model (a checkpoint trained for one step with the Ray-free core), two Serve
@@ -11,15 +12,19 @@ HTTP session each, in this process on the same machine. At each level the two va
 alternate 3 times (the machine's load drifts); requests/s is the median of the
 repeats, p50/p99 latency are over all their requests.
 
-Models: ``mlp-wide`` (16 -> 4 x 2048 -> 4, 12.6M parameters: one row's forward costs
-several ms, and 32 rows cost only a few times one, so batching has compute to share;
-much wider layers are worse here: at 8192 wide, 4 rows cost 4x one row on this CPU),
-``mlp-small`` (the tabular example's
-16 -> 64 -> 64 -> 4: a forward is ~0.1 ms, HTTP and Serve dominate), ``gpt`` (the
-quickstart's 2 layers, d=128, context 64; 16 new bytes per request, prompts of equal
-length).
+Models: ``mlp-deep`` (16 -> 16 x 4096 -> 4, 252M parameters, 1 GB of float32 weights:
+a one-row forward reads every weight once and is bound by memory bandwidth, ~60 ms
+here, while 32 rows cost only ~5x one row, so a batch shares the weight reads and the
+model, not HTTP, is the bottleneck without batching), ``mlp-small`` (the tabular
+example's 16 -> 64 -> 64 -> 4: a forward is ~0.1 ms, HTTP and Serve dominate, batching
+has nothing to win), ``gpt`` (the quickstart's 2 layers, d=128, context 64; 16 new
+bytes per request, prompts of equal length). Measured in one process with one thread
+(idle machine): 16 -> 4 x 2048 -> 4 takes 3.4 ms for one row and 15 ms for 32, too
+cheap against the HTTP path (which tops out at ~170-200 requests/s here, `mlp-small`)
+for batching to pay much; 16 -> 8 x 4096 -> 4 takes 29 and 163 ms; 16 x 4096, 63 and
+334 ms.
 
-Writes benchmarks/serve_results.json and serve_results.md (not with --smoke).
+Writes benchmarks/serve_results.json and serve_results.md (not with --smoke or --quick).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from raytrain_platform.serve.catalog import load_catalog  # noqa: E402
 from raytrain_platform.serve.options import parse_serve_args  # noqa: E402
 
 MODELS = {  # name: (model section, data section)
-    "mlp-wide": ({"name": "mlp", "kwargs": {"hidden_sizes": [2048, 2048, 2048, 2048]}},
+    "mlp-deep": ({"name": "mlp", "kwargs": {"hidden_sizes": [4096] * 16}},
                  {"source": "synthetic", "batch_size": 8, "num_samples": 512}),
     "mlp-small": ({"name": "mlp", "kwargs": {"hidden_sizes": [64, 64]}},
                   {"source": "synthetic", "batch_size": 8, "num_samples": 512}),
@@ -53,8 +58,10 @@ MODELS = {  # name: (model section, data section)
             {"source": "synthetic", "batch_size": 4, "num_samples": 512}),
 }
 GEN_TOKENS = 16
-LEVELS = {"mlp-wide": [(1, 100), (32, 800)], "mlp-small": [(1, 200), (32, 1000)],
+LEVELS = {"mlp-deep": [(1, 40), (32, 480)], "mlp-small": [(1, 200), (32, 1000)],
           "gpt": [(1, 40), (32, 320)]}  # (clients, requests per repeat) per model
+QUICK_LEVELS = {"mlp-deep": [(32, 256)], "mlp-small": [(32, 480)]}  # also benchmarks/run.py's
+SMOKE_LEVELS = {"mlp-small": [(1, 8), (4, 16)], "gpt": [(1, 4), (4, 8)]}
 
 
 def _checkpoint(storage: Path, name: str) -> Path:
@@ -185,17 +192,16 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="small models, a few requests; no results files")
+    p.add_argument("--quick", action="store_true", help="the mlp models at 32 clients, once; no results files")
     p.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (default: a free one)")
     args = p.parse_args()
     port = args.port or _free_port()
-    if args.smoke:
-        rows = run({"mlp-small": [(1, 8), (4, 16)], "gpt": [(1, 4), (4, 8)]}, port, repeats=1)
-    else:
-        rows = run(LEVELS, port, repeats=3)
+    levels, repeats = (SMOKE_LEVELS, 1) if args.smoke else (QUICK_LEVELS, 1) if args.quick else (LEVELS, 3)
+    rows = run(levels, port, repeats=repeats)
     errors = sum(r["errors"] for r in rows)
     text = table(rows)
     print(text)
-    if not args.smoke:
+    if not (args.smoke or args.quick):
         out = ROOT / "benchmarks"
         (out / "serve_results.json").write_text(json.dumps(rows, indent=2) + "\n")
         (out / "serve_results.md").write_text(

@@ -13,7 +13,8 @@ windows by a Ray Data map), 2 DDP workers at 0.5 CPU with 1 torch thread, micro-
   subprocess. The platform's metrics rows carry no wall-clock time, so the first step's
   time is the modification time of the run's ``metrics.jsonl``: with one step it is
   written once, by rank 0, right after that step's optimizer update (and the one small
-  all-reduce of its metrics).
+  all-reduce of its metrics). ``data.val_fraction=0``: the bare side has no validation
+  split, and a one-step run evaluates at its last (first) step before that write.
 - ``bare``: this file with ``--bare``: what a user writes with Ray Train alone
   (`ray.init`, a Ray Data map over the same files, `TorchTrainer`, `prepare_model`,
   `iter_torch_batches`); rank 0 writes ``time.time()`` to a file right after its first
@@ -70,7 +71,8 @@ def rtp_side(work: Path, name: str, *, workers: int = WORKERS, address: str | No
     t0, wall = _spawn([*_rtp_command(), "train", str(QUICKSTART), "--set", "train.max_steps=1",
                        "--set", f"scaling.num_workers={workers}",
                        "--set", f"run.storage_path={storage}", "--set", f"run.name={name}",
-                       "--set", "run.eval_every=0", "--set", "run.log_every=1"], timeout, address)
+                       "--set", "data.val_fraction=0", "--set", "run.eval_every=0",
+                       "--set", "run.log_every=1"], timeout, address)
     metrics = storage / name / "metrics.jsonl"
     rows = metrics.read_text().splitlines()
     assert len(rows) == 1 and json.loads(rows[0])["step"] == 1, rows

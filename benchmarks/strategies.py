@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 import yaml
+from common import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"name": "gpt", "kwargs": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64}}
@@ -63,12 +63,6 @@ def _config(storage: Path, name: str, ranks: int, parallel: dict, steps: int) ->
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _children_cpu_s() -> float:
     """CPU seconds (user + system) of all finished child processes: torchrun and its ranks."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -90,7 +84,7 @@ def run_layout(storage: Path, name: str, ranks: int, parallel: dict, steps: int)
     path = storage / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "raytrain_platform.core",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "raytrain_platform.core",
            "--config", str(path)]
     cpu_before = _children_cpu_s()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,

@@ -1,28 +1,26 @@
-"""Platform training vs a hand-written PyTorch loop, and the quickstart's data wait.
+"""Platform training vs a hand-written PyTorch loop, and the quickstart's data wait:
+the functions behind `run.py`'s ``train_vs_loop`` section.
 
-    python benchmarks/train_vs_loop.py             # full: ~6 min on 2 CPU cores
-    python benchmarks/train_vs_loop.py --smoke     # a few steps, checks it still runs
+    python benchmarks/run.py --sections train_vs_loop   # ~4 min on 2 quiet CPU cores
+    python benchmarks/train_vs_loop.py --smoke          # a few steps, checks it still runs
 
 1. Throughput: `rtp train` on 1 worker (Ray Train + Ray Data reading Parquet) vs a
-   plain loop over the same rows already in memory as tensors: same MLP, optimizer,
-   batch and torch thread count (1). A third side runs the same engine without Ray
-   (the torchrun core's reader), to tell the engine's cost from Ray's. Repeats are
-   interleaved (platform, engine, loop, platform, ...) so all see the same machine;
-   each figure is the median per-step samples/s after warm-up, ratios are of medians.
+   plain loop over the same rows already in memory as tensors: same MLP, batch and
+   torch thread count (1). The loop is run twice: with AdamW as a user constructs it
+   (the default implementation) and with the fused AdamW the platform uses, so the
+   second ratio is the platform's overhead alone. A further side runs the same engine
+   without Ray (the torchrun core's reader), to tell the engine's cost from Ray's.
+   Repeats are interleaved so all sides see the same machine; each figure is the median
+   per-step samples/s after warm-up, ratios are of medians.
 2. Data wait on the quickstart config: the fraction of each step spent waiting for
    the next batch (the engine's `data_wait_frac`), median and worst steps.
-
-Writes benchmarks/results.json (merged by key) and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,8 +29,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from raytrain_platform.data.generate import write_tabular_parquet  # noqa: E402
 
 FEATURES, CLASSES, LR = 64, 8, 1e-3
 # (name, hidden sizes, batch): a small model whose step (~8 ms) shows the per-step
@@ -85,8 +81,9 @@ def engine_run(data_dir: Path, storage: Path, name: str, steps: int, hidden: lis
     return _steady(read_metrics(storage / name))
 
 
-def hand_loop(data_dir: Path, steps: int, hidden: list[int], batch: int) -> dict:
-    """What a user would write without the platform: tensors in memory, a for loop."""
+def hand_loop(data_dir: Path, steps: int, hidden: list[int], batch: int, *, fused: bool = False) -> dict:
+    """What a user would write without the platform: tensors in memory, a for loop, and
+    AdamW as constructed by default (`fused`: the single-kernel AdamW the platform uses)."""
     import pyarrow.parquet as pq
 
     from raytrain_platform.models.mlp import MLP
@@ -97,7 +94,8 @@ def hand_loop(data_dir: Path, steps: int, hidden: list[int], batch: int) -> dict
     y = torch.from_numpy(table.column("label").to_numpy())
     torch.manual_seed(0)
     model = MLP(MLPSpec(input_dim=FEATURES, hidden_sizes=hidden, num_outputs=CLASSES))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0,
+                            fused=fused or None)
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -124,71 +122,14 @@ def quickstart_wait(storage: Path, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``train_vs_loop`` section of `run.py` (which owns the repeats, the medians,
+    results.json and the table): ``--smoke`` runs it at tiny sizes and writes nothing."""
+    import run
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--quickstart-steps", type=int, default=60)
     p.add_argument("--smoke", action="store_true", help="a few steps, one repeat; no results file")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.repeats, args.steps, args.quickstart_steps = 1, 12, 8
-    torch.set_num_threads(1)
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    work = Path(tempfile.mkdtemp(prefix="rtp-bench-"))
-    data = work / "tabular"
-    rows = max(max(b for _, _, b in MODELS) * (args.steps + 8), 20_000)
-    write_tabular_parquet(data, rows=rows, features=FEATURES, classes=CLASSES, files=4,
-                          row_group_rows=4096)
-    result: dict = {}
-    table = ["| benchmark | platform | baseline | ratio |", "|---|---|---|---|"]
-    for label, hidden, batch in (MODELS[:1] if args.smoke else MODELS):  # smoke: the small one
-        plat, core, loop = [], [], []
-        for i in range(args.repeats):  # interleaved: all sides see the same machine
-            plat.append(platform_run(data, work / "runs", f"{label}{i}", args.steps, hidden, batch))
-            core.append(engine_run(data, work / "core", f"{label}{i}", args.steps, hidden, batch))
-            loop.append(hand_loop(data, args.steps, hidden, batch))
-            print(f"{label} repeat {i + 1}/{args.repeats}: platform {plat[-1]['samples_per_s']:,.0f} "
-                  f"samples/s (data wait {100 * plat[-1]['data_wait_frac']:.1f}%), engine without Ray "
-                  f"{core[-1]['samples_per_s']:,.0f}, hand loop {loop[-1]['samples_per_s']:,.0f}",
-                  flush=True)
-        p_med = statistics.median(r["samples_per_s"] for r in plat)
-        c_med = statistics.median(r["samples_per_s"] for r in core)
-        l_med = statistics.median(r["samples_per_s"] for r in loop)
-        overhead_ms = 1000 * batch * (1 / p_med - 1 / l_med)
-        result[f"train_vs_loop_{label}"] = {
-            "model": f"mlp {FEATURES}-{'-'.join(map(str, hidden))}-{CLASSES}, batch {batch}, "
-                     "AdamW, 1 worker, 1 torch thread",
-            "repeats": args.repeats, "steps": args.steps,
-            "platform_samples_per_s": round(p_med, 1), "hand_loop_samples_per_s": round(l_med, 1),
-            "ratio": round(p_med / l_med, 3), "overhead_ms_per_step": round(overhead_ms, 2),
-            "engine_without_ray_samples_per_s": round(c_med, 1),
-            "engine_without_ray_ratio": round(c_med / l_med, 3),
-            "platform_data_wait_frac": round(statistics.median(r["data_wait_frac"] for r in plat), 4)}
-        table.append(f"| 1-worker training ({label} mlp, batch {batch}), Ray Data from Parquet vs "
-                     f"in-memory loop, samples/s | {p_med:,.0f} | {l_med:,.0f} | {p_med / l_med:.3f} "
-                     f"({overhead_ms:+.1f} ms/step) |")
-        table.append(f"| the same engine without Ray (torchrun core reading the Parquet files) vs "
-                     f"in-memory loop | {c_med:,.0f} | {l_med:,.0f} | {c_med / l_med:.3f} |")
-    quick = quickstart_wait(work / "runs", args.quickstart_steps)
-    ray.shutdown()
-    shutil.rmtree(work, ignore_errors=True)
-    result["quickstart_data_wait"] = {k: round(v, 4) if isinstance(v, float) else v
-                                      for k, v in quick.items()}
-    table.append(f"| quickstart data wait, median / p90 of step time | "
-                 f"{100 * quick['median_data_wait_frac']:.1f}% / {100 * quick['p90_data_wait_frac']:.1f}% | | |")
-    table = "\n".join(table)
-    print(table)
-    if not args.smoke:
-        out = ROOT / "benchmarks" / "results.json"
-        merged = json.loads(out.read_text()) if out.exists() else {}
-        merged.update(result)  # results.md is rendered from results.json by benchmarks/run.py
-        merged["_meta"] = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/train_vs_loop.py",
-                           "machine": "2 CPU cores, no GPU", "torch": torch.__version__, "ray": ray.__version__}
-        out.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
-        print(f"wrote {out}")
-    return 0
+    return run.main(["--sections", "train_vs_loop", *(["--smoke"] if args.smoke else [])])
 
 
 if __name__ == "__main__":

@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="start a head and N worker nodes on 127.0.0.1")
     p_up.add_argument("--dir", required=True, type=Path, help="state, logs and each node's temp dir (short path)")
-    p_up.add_argument("--workers", type=int, default=2, help="worker nodes (default 2)")
+    p_up.add_argument("--workers", type=int, default=2, help="worker nodes (default 2; 0: a head alone, "
+                                                             "with --head-cpus)")
     p_up.add_argument("--cpus", type=int, default=2, help="CPUs each worker node offers (default 2)")
     p_up.add_argument("--head-cpus", type=int, default=0, help="CPUs the head offers (default 0)")
     p_down = sub.add_parser("down", help="stop every node of the cluster by its process group")
@@ -221,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p_rm.add_argument("--graceful", action="store_true", help="SIGTERM instead (a drained node)")
     args = ap.parse_args(argv)
     if args.cmd == "up":
-        if args.workers < 1 or args.cpus < 1 or args.head_cpus < 0:
-            ap.error("--workers and --cpus must be >= 1, --head-cpus >= 0")
+        if args.workers < 0 or args.cpus < 1 or args.head_cpus < 0 or args.workers + args.head_cpus < 1:
+            ap.error("--workers and --head-cpus must be >= 0 (not both 0), --cpus >= 1")
         state = up(args.dir, args.workers, args.cpus, args.head_cpus)
         print(json.dumps({"address": state["address"], "dashboard": state["dashboard"],
                           "nodes": 1 + len(state["workers"])}))

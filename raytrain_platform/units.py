@@ -5,6 +5,8 @@ one-line `ConfigError` naming the field when they are not. No torch, no Ray.
 (85899345920, 24000000000)
 >>> parse_count("--params", "6.7B"), parse_count("--params", "125e6")
 (6700000000, 125000000)
+>>> format_size(60 * 2**20), format_size(3 * 2**30)
+('60 MiB', '3.0 GiB')
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import re
 
 from raytrain_platform.errors import ConfigError
 
-__all__ = ["parse_size", "parse_count", "SIZE_HELP"]
+__all__ = ["parse_size", "parse_count", "format_size", "SIZE_HELP"]
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -35,3 +37,8 @@ def parse_count(field: str, text: str) -> int:
     if match is None or float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()] < 1:
         raise ConfigError(field, text, "a count >= 1 like 125M, 7B or 6.7e9")
     return int(float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    """Bytes for a person: GiB, or MiB below 1 GiB (small CPU budgets)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"

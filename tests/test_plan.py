@@ -1,5 +1,5 @@
 """`rtp plan`: the memory model against real tensors, the decision guide row by row,
-and the command end to end. No Ray; torchrun (gloo) for DDP and FSDP."""
+and the command end to end. No Ray; torchrun (gloo) for DDP, FSDP, TP, PP and 2-D layouts."""
 
 import json
 import os
@@ -9,11 +9,12 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.models.specs import GPTSpec, MLPSpec
 from raytrain_platform.plan import Layout, estimate_memory, generic_shape, gpt_shape, make_plan, mlp_shape, preset_shape
 from raytrain_platform.plan.measure import measure
+from raytrain_platform.plan.memory import RankPart, rank_part, rank_params
 
 GB, GIB = 10**9, 2**30
 STATE = ("params", "grads", "optimizer")
@@ -73,34 +74,66 @@ def test_activation_estimate_within_10pct_of_saved_tensors(precision):
     _within(r["measured"], {"activations": r["estimated_saved"]}, keys=("activations",))
 
 
+# One real 4-process gloo group (torchrun) runs every layout: DDP and FSDP for gpt and
+# mlp, TP, PP and 2-D for gpt (an mlp has no blocks to split). Six blocks, so that 4
+# pipeline stages are uneven when balanced (2, 2, 1, 1); 4 heads for TP over 4 ranks.
+GPT_MP = {"n_layer": 6, "n_embd": 32, "n_head": 4, "block_size": 16}
+MODEL_PARALLEL = {  # label -> parallel config section
+    "tp4": {"tp_size": 4},
+    "pp4": {"pp_size": 4},
+    "tp2_fsdp2": {"tp_size": 2, "strategy": "fsdp"},
+    "pp2_ddp2_split_1_5": {"pp_size": 2, "strategy": "ddp", "pp_split": [1, 5]},
+    "pp2_fsdp2_interleaved": {"pp_size": 2, "strategy": "fsdp", "pp_schedule": "interleaved_1f1b"},
+}
+LAYOUTS = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}, **MODEL_PARALLEL}
+CASES = [(s, m) for s in ("ddp", "fsdp") for m in ("gpt", "mlp")] + [(s, "gpt") for s in MODEL_PARALLEL]
+
+
 @pytest.fixture(scope="module")
-def distributed_runs() -> dict:
-    """One real 2-process gloo group (torchrun): gpt and mlp under DDP and FSDP."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", "29731",
-           "-m", "raytrain_platform.plan.measure", "--model", "gpt", "mlp",
-           "--strategy", "ddp", "fsdp", "--kwargs", json.dumps(GPT_SMALL)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240,
+def distributed_runs() -> dict[tuple[str, str], list[dict]]:
+    """(layout label, model) -> every rank's measured and estimated bytes, in rank order:
+    each layout built by parallel/registry.py `parallelize`, one real step."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "raytrain_platform.plan.measure", "--model", "gpt", "mlp", "--kwargs", json.dumps(GPT_MP),
+           "--parallel", json.dumps(list(LAYOUTS.values()))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {(r["strategy"], r["model"]): r for r in rows}
+    return {(label, model): sorted((r for r in rows if r["parallel"] == section and r["model"] == model),
+                                   key=lambda r: r["rank"])
+            for label, section in LAYOUTS.items() for model in ("gpt", "mlp")}
 
 
-@pytest.mark.parametrize("model", ["gpt", "mlp"])
-def test_state_estimate_within_10pct_under_ddp(distributed_runs, model):
-    r = distributed_runs[("ddp", model)]
-    assert r["world_size"] == 2 and r["estimated"]["overhead_parts"]["ddp_gradient_buckets"] > 0
-    print(model, "ddp measured", r["measured"], "estimated", {k: r["estimated"][k] for k in STATE})
-    _within(r["measured"], r["estimated"])
+@pytest.mark.parametrize("label, model", CASES)
+def test_state_estimate_within_10pct_on_every_rank(distributed_runs, label, model):
+    """DDP, FSDP, TP, PP (balanced, an uneven pp_split, interleaved), TP x FSDP, PP x DDP,
+    PP x FSDP: each rank's estimate, for its own pipeline stage, against its tensors."""
+    rows = distributed_runs[(label, model)]
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        print(label, model, "rank", r["rank"], "pp_rank", r["pp_rank"], "measured", r["measured"],
+              "estimated", {k: r["estimated"][k] for k in STATE})
+        assert r["estimated"]["pp_rank"] == r["pp_rank"]
+        _within(r["measured"], r["estimated"])
 
 
-@pytest.mark.parametrize("model", ["gpt", "mlp"])
-def test_state_estimate_within_10pct_under_fsdp(distributed_runs, model):
-    r = distributed_runs[("fsdp", model)]
-    assert r["measured"]["params"] < 0.6 * 4 * r["num_params"]  # really sharded over 2 ranks
-    print(model, "fsdp measured", r["measured"], "estimated", {k: r["estimated"][k] for k in STATE})
-    _within(r["measured"], r["estimated"])
+def test_model_parallel_ranks_really_hold_different_parts(distributed_runs):
+    """What makes the per-rank check above meaningful: DDP replicates, FSDP and TP shard
+    (TP the embeddings and head too), pipeline ranks hold different stages, and replicas
+    of a stage hold the same."""
+    def params(label: str) -> list[int]:
+        return [r["measured"]["params"] for r in distributed_runs[(label, "gpt")]]
+
+    full = 4 * GPTSpec(**GPT_MP).num_params()
+    assert params("ddp") == [full] * 4
+    assert distributed_runs[("ddp", "gpt")][0]["estimated"]["overhead_parts"]["ddp_gradient_buckets"] > 0
+    assert max(params("fsdp")) < 0.3 * full  # really sharded over 4 ranks
+    assert max(params("tp4")) < 0.3 * full  # everything but norms and row-parallel biases / 4
+    assert len(set(params("pp4"))) == 4  # embeddings + 2 blocks, 2 blocks, 1 block, 1 block + head
+    split = params("pp2_ddp2_split_1_5")  # ranks (pp, dp): 0 and 1 stage 0, 2 and 3 stage 1
+    assert split[0] == split[1] and split[2] == split[3] and split[2] > 3 * split[0]
 
 
 def test_sharding_degrees_divide_the_state():
@@ -110,13 +143,36 @@ def test_sharding_degrees_divide_the_state():
     tp = estimate_memory(model=m, layout=Layout(tp=4))
     pp = estimate_memory(model=m, layout=Layout(pp=4, micro_batches=8))
     assert abs(fsdp.params * 8 - one.params) <= 32
-    blocks_tp = 4 * m.n_layer * m.tp_layer_params
-    assert tp.params == one.params - blocks_tp + blocks_tp // 4  # norms and embeddings replicated
-    assert pp.params == 4 * (8 * m.layer_params + m.last_params)  # 8 of 32 blocks + norm and head
+    # TP splits the blocks' linear layers, the embeddings and the LM head; norms stay whole.
+    split = m.n_layer * m.tp_layer_params + m.first_params + m.tp_last_params
+    assert tp.params == 4 * (m.num_params - split + split // 4)
+    assert pp.pp_rank == 0  # the first stage holds the most micro-batches in flight
+    last = estimate_memory(model=m, layout=Layout(pp=4, micro_batches=8), pp_rank=3)
+    assert last.params == 4 * (8 * m.layer_params + m.last_params)  # 8 of 32 blocks + norm and head
+    assert pp.params == 4 * (8 * m.layer_params + m.first_params)
     ckpt = estimate_memory(model=m, layout=Layout(micro_batch=4), activation_checkpointing=True)
     full = estimate_memory(model=m, layout=Layout(micro_batch=4))
     bf16 = estimate_memory(model=m, layout=Layout(micro_batch=4), precision="bf16")
     assert ckpt.activations < full.activations / 5 and bf16.activations < full.activations
+
+
+def test_pipeline_ranks_follow_the_stage_split():
+    m = gpt_shape(GPTSpec(**GPT_MP))
+    assert [rank_part(m, Layout(pp=4), r) for r in range(4)] == [  # balanced, remainder first
+        RankPart(2, True, False), RankPart(2, False, False),
+        RankPart(1, False, False), RankPart(1, False, True)]
+    assert [rank_part(m, Layout(pp=2, pp_split=(1, 5)), r).blocks for r in range(2)] == [1, 5]
+    looped = Layout(pp=2, stages_per_rank=2, pp_split=(1, 2, 2, 1))  # rank 0: stages 0, 2
+    assert [rank_part(m, looped, r) for r in range(2)] == [RankPart(3, True, False), RankPart(3, False, True)]
+    gpt2 = preset_shape("gpt2")  # tied: the last stage keeps its own copy of the embedding
+    assert rank_params(gpt2, Layout(pp=2), 1)[0] == 6 * gpt2.layer_params + gpt2.last_params + 50257 * 768
+    for bad, field in [(Layout(pp=2, pp_split=(1, 4)), "layout.pp_split"), (Layout(pp=8), "layout.pp")]:
+        with pytest.raises(ConfigError) as err:
+            estimate_memory(model=m, layout=bad)
+        assert err.value.field == field
+    with pytest.raises(ConfigError) as err:
+        Layout(pp=2, pp_split=(6,))
+    assert err.value.field == "layout.pp_split"
 
 
 # --- the decision guide, one row of the tutorial's table per case ------------------------

@@ -97,19 +97,26 @@ def _rows(n: int, features: int = 16, seed: int = 0) -> list[list[float]]:
 # ---- start-up: options and checkpoints, no Ray ------------------------------------------------
 
 def test_options_are_checked_and_map_to_serve_settings(runs):
+    from ray.serve.config import AutoscalingConfig
+
     opts = parse_serve_args({"checkpoint": f"a={runs / 'clf'},{runs / 'lm'}", "min_replicas": "1",
-                             "max_replicas": "3", "target_ongoing_requests": "4", "use_gpu": "true"})
+                             "max_replicas": "3", "target_ongoing_requests": "4", "use_gpu": "true",
+                             "upscale_delay_s": "0", "downscale_delay_s": 5})
     assert [(s.name, Path(s.path).name) for s in opts.checkpoints] == [("a", "clf"), ("lm", "lm")]
+    autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 4.0,
+                   "upscale_delay_s": 0.0, "downscale_delay_s": 5.0, "look_back_period_s": 30.0}
     assert deployment_options(opts) == {
         "max_ongoing_requests": 64, "ray_actor_options": {
             "num_cpus": 1.0, "num_gpus": 1, "runtime_env": {"env_vars": NORMAL_PRIORITY_ENV}},
-        "autoscaling_config": {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 4.0}}
+        "autoscaling_config": autoscaling}
+    assert AutoscalingConfig(**autoscaling).model_dump(include=set(autoscaling)) == autoscaling
     assert deployment_options(parse_serve_args({"checkpoint": str(runs), "num_replicas": 2}))["num_replicas"] == 2
     for args, match in [({"checkpoint": str(runs), "max_batch_size": "0"}, "max_batch_size = '0'"),
                         ({"checkpoint": str(runs), "use_gpu": "maybe"}, "use_gpu = 'maybe': expected true or false"),
                         ({"checkpoint": str(runs), "batch_size": 4}, "batch_size = 4: expected a known option"),
                         ({"checkpoint": f"{runs / 'clf'},{runs / 'clf'}"}, "distinct model ids"),
                         ({"checkpoint": str(runs), "min_replicas": 3, "max_replicas": 2}, "<= max_replicas"),
+                        ({"checkpoint": str(runs), "downscale_delay_s": "-1"}, "downscale_delay_s = '-1'"),
                         ({}, "checkpoint = None")]:
         with pytest.raises(ConfigError, match=match):
             parse_serve_args(args)

@@ -24,20 +24,19 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
 
-from raytrain_platform.core.sharded import SHARDED_DIR, load_sharded, save_sharded
 from raytrain_platform.errors import CheckpointError
 from raytrain_platform.rundir import CONFIG_FILE, STATE_FILE, write_json
 
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "read_state", "load_model_weights",
-           "read_weights", "write_weights", "WEIGHTS_FILE", "OPTIM_FILE", "SHARDED_DIR"]
+           "read_weights", "write_weights", "WEIGHTS_FILE", "OPTIM_FILE"]
 
 WEIGHTS_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.pt"
 FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; data layout recorded
-_FULL = StateDictOptions(full_state_dict=True)
+# torch.distributed.checkpoint (and with it DTensor and FSDP) is imported where a
+# checkpoint is written or read, not with this module: the first step of a DDP run, and
+# a Serve replica reading safetensors, do without the second or so it costs to import.
 
 
 @dataclass
@@ -54,6 +53,10 @@ def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
     """Write this rank's part of a checkpoint into `directory`. Called on every rank
     (sharded saves are collective); `world_size` and `batch_size` (per-rank micro-batch)
     say what unit `state.batches_in_epoch` counts, so a resume can rescale it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from raytrain_platform.core.sharded import save_sharded
+
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     if par.sharded:
@@ -132,6 +135,8 @@ def load_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
     from, its data position converted to this world size and micro-batch."""
     data = read_state(directory)
     if data.get("sharded"):
+        from raytrain_platform.core.sharded import load_sharded
+
         load_sharded(directory, module=par.module, optimizer=optimizer)
     else:
         _load_unsharded(directory, data, par=par, optimizer=optimizer, device=device)
@@ -140,6 +145,9 @@ def load_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
 
 
 def _load_unsharded(directory, data: dict, *, par, optimizer, device) -> None:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
     weights = read_weights(directory, par.base)
     optim_path = Path(directory) / OPTIM_FILE
     if not optim_path.is_file():
@@ -156,8 +164,9 @@ def _load_unsharded(directory, data: dict, *, par, optimizer, device) -> None:
         optimizer.load_state_dict(optim_state)
         return
     if par.sharded:  # full tensors in, each rank keeps its shard
-        set_model_state_dict(par.module, weights, options=_FULL)
-        set_optimizer_state_dict(par.module, optimizer, optim_state, options=_FULL)
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(par.module, weights, options=full)
+        set_optimizer_state_dict(par.module, optimizer, optim_state, options=full)
     else:
         par.base.load_state_dict(weights)
         set_optimizer_state_dict(par.base, optimizer, optim_state)

@@ -18,7 +18,6 @@ import time
 from typing import Callable, Iterator, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from raytrain_platform.core.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
@@ -131,7 +130,8 @@ class Engine:
             grad_norm = self.par.clip_grad_norm(self.cfg.train.grad_clip)
         elif self.cfg.train.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.par.module.parameters(), self.cfg.train.grad_clip)
-            grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            full = getattr(norm, "full_tensor", None)  # a DTensor (FSDP2): the global norm
+            grad_norm = float(full() if full else norm)
         self.optimizer.step()
         if self._memory is None:  # params, grads and optimizer state all exist right now
             self._memory = self._measure_memory()

@@ -12,6 +12,8 @@ from raytrain_platform.config import TrainConfig
 
 __all__ = ["build_optimizer", "lr_at"]
 
+_FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
@@ -21,7 +23,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), foreach=True)
+        # Fused: one kernel over all parameters, several times faster than the multi-tensor
+        # path on CPU (benchmarks/profile.md); it also takes DTensors (FSDP2, TP). The
+        # multi-tensor path stays for devices without a fused kernel.
+        fused = all(p.device.type in _FUSED_ADAMW_DEVICES for p in params)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused,
+                                 foreach=not fused)
+    # SGD stays multi-tensor: its fused kernel has no DTensor sharding rule (FSDP2 / TP).
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
 
 

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = ["build_datasets", "ingest_options"]
 
+_ROWS_PER_READ = 16_384  # rows of Parquet one read task turns into one block
+
 
 class _TextWindows:
     def __init__(self, spec: SourceSpec, split: str):
@@ -83,8 +85,13 @@ def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...]) -> 
     chunks, _ = sources.parquet_chunks(root, rspec, field)
     items = [{"path": c.path, "row_group": c.row_group, "first_id": c.first_id,
               "num_rows": c.num_rows} for c in chunks]
-    ds = ray.data.from_items(items, override_num_blocks=min(len(items), 64))
-    return ds.map_batches(_ParquetChunks(rspec, features, split, root), batch_size=1,
+    # Row groups are read several to a task, into one block of about _ROWS_PER_READ
+    # rows: each block costs the training process a fixed fetch, so fewer, larger blocks
+    # stream faster (benchmarks/ingest.py: 1.4x rows/s at 16,384 rows vs one 4,096-row
+    # row group per block). Row order is unchanged.
+    per_read = max(1, _ROWS_PER_READ // max(1, max(c.num_rows for c in chunks)))
+    ds = ray.data.from_items(items, override_num_blocks=min(-(-len(items) // per_read), 64))
+    return ds.map_batches(_ParquetChunks(rspec, features, split, root), batch_size=per_read,
                           batch_format="numpy")
 
 

@@ -122,10 +122,35 @@ def _check_cpu_headroom(cfg: JobConfig) -> None:
                           "needs at least 0.5 of them to feed the workers")
 
 
+def _tp_label_selector(cfg: JobConfig, per_worker: dict[str, float],
+                       emit: Callable[[str], None]) -> list[dict[str, str]] | None:
+    """Pin whole tensor-parallel groups to nodes (launch/placement.py) from the free
+    resources of the cluster's alive nodes now, counting only the workers' own demand:
+    what stays free on a node is Ray Data's and the Train controller's (0 CPUs).
+    Elastic runs never get here with TP: config validation refuses elastic TP, and a
+    pinned node that is lost would keep an elastic run from shrinking."""
+    import ray
+    from ray._private.state import available_resources_per_node  # as ray.util.tpu reads it
+
+    from raytrain_platform.launch.placement import describe_tp_placement, place_tp_groups
+
+    tp_size = cfg.parallel.tp_size
+    if tp_size == 1:
+        return None
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    free = {node: res for node, res in available_resources_per_node().items() if node in alive}
+    selectors = place_tp_groups(free, per_worker, num_workers=cfg.scaling.num_workers, tp_size=tp_size,
+                                strategy=cfg.scaling.placement_strategy)
+    if selectors:
+        emit(describe_tp_placement(selectors, tp_size=tp_size))
+    return selectors
+
+
 def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequence[Any] = (),
-                   profile: dict | None = None):
+                   profile: dict | None = None, *, emit: Callable[[str], None]):
     """`callbacks`: Ray Train ``UserCallback``s for the RunConfig (a sweep trial passes
-    its Tune reporting callback). `profile`: see `run_job`."""
+    its Tune reporting callback). `profile`: see `run_job`. `emit`: where the TP
+    placement line goes."""
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -138,10 +163,11 @@ def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequen
     for ds in datasets.values():
         ds.context.enable_progress_bars = False
     s = cfg.scaling
+    per_worker = {"CPU": s.cpus_per_worker, **({"GPU": 1.0} if s.use_gpu else {})}
     scaling = ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.elastic else s.num_workers,
                             use_gpu=s.use_gpu, placement_strategy=s.placement_strategy,
-                            resources_per_worker={"CPU": s.cpus_per_worker,
-                                                  **({"GPU": 1} if s.use_gpu else {})})
+                            resources_per_worker=per_worker,
+                            label_selector=_tp_label_selector(cfg, per_worker, emit))
     run_config = RunConfig(
         name=cfg.run.name, storage_path=cfg.run.storage_path,
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
@@ -239,7 +265,7 @@ def run_job(job: ResolvedJob, *, emit: Callable[[str], None], callbacks: Sequenc
     if resumed:
         emit(f"resuming from {resumed}")
     t0 = time.time()
-    trainer = _build_trainer(job, resumed, callbacks, profile)
+    trainer = _build_trainer(job, resumed, callbacks, profile, emit=emit)
     stop = threading.Event()
     tailer = threading.Thread(target=_tail_progress, args=(run_dir, job.total_steps, stop, emit),
                               daemon=True)

@@ -116,7 +116,9 @@ class RayReporter:
 def _warn_if_tp_spans_nodes(tp_size: int, local_world_size: int) -> None:
     """Ray Train numbers the workers of one node consecutively and a TP group is
     consecutive ranks: it stays on one node when the node's worker count is a multiple
-    of tp_size. Otherwise its per-block all-reduces cross the network: say so."""
+    of tp_size. Otherwise its per-block all-reduces cross the network: say so. The
+    launcher pins whole groups to nodes (launch/placement.py); this catches the runs it
+    could not pin (and says so from where the group actually ran)."""
     if tp_size > 1 and local_world_size % tp_size:
         warnings.warn(f"this node runs {local_world_size} worker(s), not a multiple of "
                       f"parallel.tp_size ({tp_size}): a tensor-parallel group spans nodes and "

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 from raytrain_platform.config import JobConfig
 from raytrain_platform.errors import ConfigError
-from raytrain_platform.plan.guide import LABELS, Option, _gib, make_plan
+from raytrain_platform.plan.guide import LABELS, Option, make_plan
 from raytrain_platform.plan.shapes import ModelShape, gpt_shape, mlp_shape
+from raytrain_platform.units import format_size
 
 __all__ = ["Hardware", "has_auto", "resolve_auto", "local_hardware", "cpu_hardware"]
 
@@ -143,7 +144,7 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
                      devices_per_node=hw.devices_per_node, nodes=hw.nodes, global_batch=global_batch,
                      precision=t.precision, optimizer=t.optimizer, headroom=hw.headroom,
                      activation_checkpointing=cfg.parallel.activation_checkpointing, **pins)
-    budget = f"{_gib(plan.request.budget)} per worker ({hw.source})"
+    budget = f"{format_size(plan.request.budget)} per worker ({hw.source})"
     why, changes = [], {}
     if cfg.parallel.strategy == "auto":
         opt = plan.recommended
@@ -160,7 +161,7 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
         opt = _option_for(cfg, plan)
     if auto_batch:
         if not opt.applicable or opt.layout is None or not opt.fits:
-            need = _gib(opt.estimate.total) if opt.estimate else "n/a"
+            need = format_size(opt.estimate.total) if opt.estimate else "n/a"
             raise ConfigError("data.batch_size", "auto", f"a micro-batch that fits under "
                               f"{LABELS[opt.strategy]}: even micro-batch 1 needs {need}, budget {budget}")
         lay = opt.layout
@@ -171,7 +172,7 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
         why.append(f"data.batch_size auto -> {lay.micro_batch} per worker x grad_accum_steps "
                    f"{lay.micro_batches} x {lay.dp} data-parallel replica(s) = global batch "
                    f"{global_batch}: the largest micro-batch dividing {global_batch // lay.dp} that "
-                   f"fits ({_gib(opt.estimate.total)} of {budget})")
+                   f"fits ({format_size(opt.estimate.total)} of {budget})")
     elif opt.fits and opt.layout is not None and cfg.data.batch_size > opt.layout.micro_batch:
         why.append(f"warning: data.batch_size {cfg.data.batch_size} exceeds the {opt.layout.micro_batch} "
                    f"the memory model fits in {budget}; consider data.batch_size: auto")

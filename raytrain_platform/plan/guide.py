@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.memory import Layout, MemoryEstimate, estimate_memory
 from raytrain_platform.plan.shapes import ModelShape
+from raytrain_platform.units import format_size
 
 __all__ = ["PlanRequest", "Option", "Plan", "make_plan", "STRATEGY_ORDER"]
 
@@ -185,15 +186,10 @@ def _swap(fit: tuple[Layout, MemoryEstimate, bool]) -> tuple[bool, Layout, Memor
     return fits, layout, est
 
 
-def _gib(n: int) -> str:
-    """Bytes for a person: GiB, or MiB below 1 GiB (small CPU budgets)."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
 def _need(o: Option) -> str:
     if o.estimate is None or o.layout is None:
         return f"n/a ({o.note})" if o.note else "n/a"
-    return f"{_gib(o.estimate.total)} at micro-batch {o.layout.micro_batch}"
+    return f"{format_size(o.estimate.total)} at micro-batch {o.layout.micro_batch}"
 
 
 def _batch_words(o: Option) -> str:
@@ -206,7 +202,7 @@ def _batch_words(o: Option) -> str:
 
 def _fits_one_device(req: PlanRequest, o: dict[str, Option]) -> tuple[Option, list[str]]:
     none, accum, ddp = o["none"], o["accum"], o["ddp"]
-    budget = _gib(req.budget)
+    budget = format_size(req.budget)
     if none.fits:
         head = f"fits one device at the full batch of {req.global_batch} ({_need(none)} of {budget})"
         if req.devices == 1 or not ddp.fits:
@@ -217,7 +213,7 @@ def _fits_one_device(req: PlanRequest, o: dict[str, Option]) -> tuple[Option, li
                      "DDP pays off once one device is busy (95%+ utilisation) and communication does "
                      "not dominate: measure scaling on 2 devices before using more"]
     head = (f"the model fits one device but the batch of {req.global_batch} does not "
-            f"({_gib(none.estimate.total) if none.estimate else '?'} > {budget})")
+            f"({format_size(none.estimate.total) if none.estimate else '?'} > {budget})")
     if req.devices == 1:
         return accum, [head + f"; table row 'big batch does not fit': gradient accumulation, "
                        f"{_batch_words(accum)}"]
@@ -233,7 +229,7 @@ def _fits_one_device(req: PlanRequest, o: dict[str, Option]) -> tuple[Option, li
 
 def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, list[str]]:
     accum = o["accum"]
-    head = f"does not fit one device even at micro-batch 1 ({_gib(accum.estimate.total)} > {_gib(req.budget)})"
+    head = f"does not fit one device even at micro-batch 1 ({format_size(accum.estimate.total)} > {format_size(req.budget)})"
     where = " within each node, replicated across nodes" if req.nodes > 1 else ""
     fsdp, tp_fsdp, pp_dp = o["fsdp"], o["tp_fsdp"], o["pp_dp"]
     if fsdp.fits:
@@ -256,7 +252,7 @@ def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, lis
                           f"{lay.micro_batches} micro-batches of {lay.micro_batch} per step"]
     smallest = min((x for x in o.values() if x.estimate), key=lambda x: x.estimate.total)
     return None, [head + f"; no strategy fits: the smallest is {LABELS[smallest.strategy]} at "
-                  f"{_need(smallest)}, budget {_gib(req.budget)}",
+                  f"{_need(smallest)}, budget {format_size(req.budget)}",
                   "more devices or nodes, activation checkpointing, or a smaller model/sequence"]
 
 
@@ -273,7 +269,7 @@ def _warnings(req: PlanRequest, rec: Option | None) -> list[str]:
     if req.nodes > 1 and (rec is None or rec.strategy in ("pp", "pp_dp")):
         layout, est, fits = _fit(req, dp=req.devices, shard=req.devices)
         if fits:
-            out.append(f"FSDP sharded over all {req.devices} devices would also fit ({_gib(est.total)}, "
+            out.append(f"FSDP sharded over all {req.devices} devices would also fit ({format_size(est.total)}, "
                        f"micro-batch {layout.micro_batch}), with per-layer all-gathers across nodes: "
                        "worth it only with fast inter-node links")
     needs_help = rec is None or (rec.layout is not None and rec.layout.micro_batches > 1

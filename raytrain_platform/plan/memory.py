@@ -7,13 +7,19 @@ autocast (core/engine.py), so weights, gradients and optimizer state stay fp32 a
 activations are mostly 16-bit, with bf16 copies of matmul weights kept for backward.
 Under FSDP with ``bf16`` the gathered units are bf16 (``parallel.mixed_precision``).
 
-**Model state** per device: ``P_local = stage params, TP-sharded, / shard``, where a
-pipeline stage holds ``ceil(L / pp)`` blocks plus the embeddings (first stage) or the
-final norm and head (last stage), TP divides the blocks' linear layers by ``tp``
-(norms, row-parallel biases, embeddings and head stay replicated), and FSDP divides
+**Model state** per device: ``P_local = stage params, TP-sharded, / shard``, following
+parallel/pp.py, tp.py and fsdp.py. Pipeline rank ``r`` holds its stages' blocks
+(``parallel.pp_split``, or balanced with earlier stages taking the remainder, as
+parallel/dims.py `stage_blocks` splits them; interleaved 1F1B: stages ``r`` and
+``r + pp``), the embeddings with stage 0 and the final norm and LM head with the last
+stage (a tied head: the last stage keeps its own copy of the embedding). TP divides the
+blocks' linear layers, the embeddings (by rows: vocabulary, positions) and the LM head
+(by columns) by ``tp``; norms and row-parallel biases stay replicated. FSDP divides
 what is left by its shard degree. Bytes: parameters 4, gradients 4, AdamW 8 (exp_avg,
 exp_avg_sq) plus one 4-byte ``step`` tensor per parameter tensor (torch keeps it; on
 CUDA it lives on the host unless ``capturable``), SGD with momentum 4, without 0.
+Pipeline ranks differ: `estimate_memory` gives one rank (``pp_rank``) or, by default,
+the rank that needs the most (the device that must fit).
 
 **Activations** per block, per micro-batch of ``b`` sequences of ``s`` tokens,
 hidden ``h``, ``a`` heads (Korthikanti et al. 2022, "Reducing Activation
@@ -35,8 +41,8 @@ re-derived per saved tensor so dtypes can differ:
   (the loss runs in fp32, models/tasks.py).
 
 With activation checkpointing each block keeps only its input (residual dtype) and one
-block's full activations are live while it is recomputed. Pipeline: with 1F1B the first
-stage holds ``min(pp, micro-batches)`` micro-batches in flight.
+block's full activations are live while it is recomputed. Pipeline: with 1F1B rank ``r``
+holds ``min(pp - r, micro-batches)`` micro-batches in flight (the first stage the most).
 
 Not modelled: allocator fragmentation and CUDA/NCCL context (the planner keeps a
 headroom for them), temporaries of single kernels, sequence parallelism, GQA.
@@ -54,9 +60,10 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from raytrain_platform.errors import ConfigError
+from raytrain_platform.parallel.dims import stage_blocks
 from raytrain_platform.plan.shapes import ModelShape
 
-__all__ = ["Layout", "MemoryEstimate", "estimate_memory", "stage_params"]
+__all__ = ["Layout", "MemoryEstimate", "RankPart", "estimate_memory", "rank_params", "rank_part"]
 
 PRECISIONS = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
@@ -67,7 +74,9 @@ class Layout:
     """Degrees of one parallel layout: ``dp`` data-parallel replicas or shards, ``shard``
     the FSDP degree (1 = replicated state, as DDP), ``tp`` tensor, ``pp`` pipeline;
     ``micro_batch`` sequences per forward, ``micro_batches`` forwards per optimizer step
-    (gradient accumulation, or a pipeline's micro-batches)."""
+    (gradient accumulation, or a pipeline's micro-batches); ``stages_per_rank`` pipeline
+    stages each rank holds (2 for interleaved 1F1B) and ``pp_split`` the blocks of each
+    stage (``parallel.pp_split``; None: balanced)."""
 
     dp: int = 1
     tp: int = 1
@@ -75,18 +84,28 @@ class Layout:
     shard: int = 1
     micro_batch: int = 1
     micro_batches: int = 1
+    stages_per_rank: int = 1
+    pp_split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "shard", "micro_batch", "micro_batches"):
+        for name in ("dp", "tp", "pp", "shard", "micro_batch", "micro_batches", "stages_per_rank"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ConfigError(f"layout.{name}", value, "an integer >= 1")
         if self.dp % self.shard:
             raise ConfigError("layout.shard", self.shard, f"a divisor of layout.dp ({self.dp})")
+        if self.pp_split is not None and (len(self.pp_split) != self.stages or min(self.pp_split) < 1):
+            raise ConfigError("layout.pp_split", list(self.pp_split),
+                              f"{self.stages} block counts >= 1 "
+                              f"(pp {self.pp} x {self.stages_per_rank} stages per rank)")
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,7 @@ class MemoryEstimate:
     overhead: int
     local_params: int  # parameters this device holds (after TP, PP, FSDP)
     overhead_parts: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+    pp_rank: int = 0  # the pipeline rank estimated
 
     @property
     def total(self) -> int:
@@ -109,25 +129,77 @@ class MemoryEstimate:
         return {**asdict(self), "overhead_parts": dict(self.overhead_parts), "total": self.total}
 
 
-def stage_params(model: ModelShape, *, tp: int = 1, pp: int = 1) -> tuple[int, int]:
-    """(parameters, parameter tensors) of the largest pipeline stage on one TP rank."""
+@dataclass(frozen=True)
+class RankPart:
+    """What one pipeline rank holds: its stages' blocks, the embeddings (stage 0) or not,
+    the final norm and LM head (the last stage) or not."""
+
+    blocks: int
+    first: bool
+    last: bool
+
+
+def rank_part(model: ModelShape, layout: Layout, pp_rank: int = 0) -> RankPart:
+    """The stages parallel/pp.py gives `pp_rank`: ``r, r + pp, ...`` (looped), each with
+    the blocks `stage_blocks` assigns it.
+
+    >>> from raytrain_platform.models.specs import GPTSpec
+    >>> from raytrain_platform.plan.shapes import gpt_shape
+    >>> m = gpt_shape(GPTSpec(n_layer=4, n_embd=32, n_head=2, block_size=16))
+    >>> rank_part(m, Layout(pp=2, pp_split=(1, 3)), 1)
+    RankPart(blocks=3, first=False, last=True)
+    """
+    if not 0 <= pp_rank < layout.pp:
+        raise ConfigError("pp_rank", pp_rank, f"a pipeline rank from 0 to {layout.pp - 1}")
     if model.family != "transformer":
-        if tp > 1 or pp > 1:
-            raise ConfigError("layout", f"tp={tp}, pp={pp}",
+        if layout.tp > 1 or layout.stages > 1:
+            raise ConfigError("layout", f"tp={layout.tp}, pp={layout.pp}",
                               f"tp=1 and pp=1 for a {model.family} model (TP and PP split transformer blocks)")
+        return RankPart(blocks=0, first=True, last=True)  # an mlp's parameters are all "first"
+    if model.n_layer < layout.stages:
+        raise ConfigError("layout.pp", layout.pp, f"at most {model.n_layer} pipeline stages in all "
+                          f"(the model's blocks; {layout.stages_per_rank} stage(s) per rank)")
+    split = list(layout.pp_split) if layout.pp_split else None
+    if split and sum(split) != model.n_layer:
+        raise ConfigError("layout.pp_split", split,
+                          f"block counts summing to the model's {model.n_layer} blocks")
+    ranges = stage_blocks(model.n_layer, layout.stages, split)
+    ids = [pp_rank + k * layout.pp for k in range(layout.stages_per_rank)]
+    return RankPart(blocks=sum(len(ranges[i]) for i in ids), first=0 in ids, last=layout.stages - 1 in ids)
+
+
+def _tp_block_params(model: ModelShape, tp: int) -> int:
+    """One block's parameters on one TP rank (shards rounded up, as the first ranks hold)."""
+    return model.layer_params - model.tp_layer_params + -(-model.tp_layer_params // tp)
+
+
+def _ends(model: ModelShape, part: RankPart, tp: int) -> tuple[int, int]:
+    """(parameters, tensors) outside the blocks on one TP rank of this pipeline rank:
+    row-split embeddings, the replicated final norm, the column-split LM head."""
+    params = tensors = 0
+    if part.first:
+        params, tensors = -(-model.first_params // tp), model.first_tensors
+    if part.last:
+        params += model.last_params - model.tp_last_params + -(-model.tp_last_params // tp)
+        tensors += model.last_tensors
+        if model.tied and not part.first:  # the last stage's own copy of the tied head (Megatron)
+            params, tensors = params + -(-model.last_matmul_params // tp), tensors + 1
+    return params, tensors
+
+
+def rank_params(model: ModelShape, layout: Layout, pp_rank: int = 0) -> tuple[int, int]:
+    """(parameters, parameter tensors) of pipeline rank `pp_rank` on one TP rank, before FSDP."""
+    part = rank_part(model, layout, pp_rank)
+    if model.family != "transformer":
         return model.num_params, model.num_tensors
-    layers = math.ceil(model.n_layer / pp)
-    per_layer = model.layer_params - model.tp_layer_params + model.tp_layer_params // tp
-    if pp == 1:
-        ends, end_tensors = model.first_params + model.last_params, model.first_tensors + model.last_tensors
-    else:  # the first or the last stage, whichever holds more
-        ends, end_tensors = max((model.first_params, model.first_tensors),
-                                (model.last_params, model.last_tensors))
-    return layers * per_layer + ends, layers * model.layer_tensors + end_tensors
+    ends, end_tensors = _ends(model, part, layout.tp)
+    blocks = part.blocks * _tp_block_params(model, layout.tp)
+    return blocks + ends, part.blocks * model.layer_tensors + end_tensors
 
 
-def _state_bytes(model: ModelShape, layout: Layout, optimizer: str, momentum: float) -> tuple[int, int, int, int]:
-    params, tensors = stage_params(model, tp=layout.tp, pp=layout.pp)
+def _state_bytes(model: ModelShape, layout: Layout, pp_rank: int, optimizer: str,
+                 momentum: float) -> tuple[int, int, int, int]:
+    params, tensors = rank_params(model, layout, pp_rank)
     local = math.ceil(params / layout.shard)
     if optimizer == "adamw":
         opt = 8 * local + 4 * tensors  # exp_avg + exp_avg_sq in fp32, one fp32 step per tensor
@@ -165,60 +237,81 @@ def _mlp_activations(model: ModelShape, b: int, e: int) -> int:
     return linear_inputs + sum(hidden) * b * (e + mask) + 4 * b * widths[-1]
 
 
-def _activations(model: ModelShape, layout: Layout, e: int, r: int, checkpointing: bool) -> int:
+def _activations(model: ModelShape, layout: Layout, pp_rank: int, e: int, r: int, checkpointing: bool) -> int:
     b = layout.micro_batch
     if model.family == "mlp":
         return _mlp_activations(model, b, e)
-    layers = math.ceil(model.n_layer / layout.pp)
+    part = rank_part(model, layout, pp_rank)
     full_block = _block_activations(model, b, layout.tp, e, r)
     if checkpointing:
         # Only block inputs are kept; one block is live again while it is recomputed.
         per_block, live = model.seq_len * b * model.hidden * r, full_block
     else:
         per_block, live = full_block, 0
-    in_flight = min(layout.pp, layout.micro_batches)  # 1F1B: first stage holds pp micro-batches
-    first_stage = layers * per_block * in_flight + live
-    last_stage = layers * per_block + live + _head_activations(model, b, e, r)
-    return last_stage if layout.pp == 1 else max(first_stage, last_stage)
+    in_flight = min(layout.pp - pp_rank, layout.micro_batches)  # 1F1B: rank r holds pp - r micro-batches
+    acts = part.blocks * per_block * in_flight + live
+    return acts + (_head_activations(model, b, e, r) if part.last else 0)
 
 
-def _overhead(model: ModelShape, layout: Layout, precision: str, local_params: int) -> list[tuple[str, int]]:
+def _overhead(model: ModelShape, layout: Layout, pp_rank: int, precision: str,
+              local_params: int) -> list[tuple[str, int]]:
     parts: list[tuple[str, int]] = []
     if layout.shard > 1:
         # FSDP gathers one block (and prefetches the next) and keeps the root unit
         # (embeddings, head) gathered; a unit's full gradients exist until reduce-scatter.
         gather = 2 if precision == "bf16" else 4
         if model.family == "transformer":
-            block = model.layer_params - model.tp_layer_params + model.tp_layer_params // layout.tp
-            fsdp = block * (2 * gather + 4) + (model.first_params + model.last_params) * gather
+            ends, _ = _ends(model, rank_part(model, layout, pp_rank), layout.tp)
+            fsdp = _tp_block_params(model, layout.tp) * (2 * gather + 4) + ends * gather
         else:  # no blocks: the whole model is the one (root) unit
             fsdp = model.num_params * (gather + 4)
         parts.append(("fsdp_gathered_units", fsdp))
     elif layout.dp > 1:
-        # DDP's flat gradient buckets (gradient_as_bucket_view=False, parallel/ddp.py)
-        parts.append(("ddp_gradient_buckets", 4 * local_params))
+        # DDP's flat gradient buckets (gradient_as_bucket_view=False, parallel/ddp.py); a
+        # pipeline's replicas all-reduce one flat copy of the gradients (parallel/pp.py).
+        name = "ddp_gradient_buckets" if layout.pp == 1 else "flat_gradient_allreduce"
+        parts.append((name, 4 * local_params))
     if precision == "bf16" and layout.shard == 1:
         # Autocast's bf16 copies of matmul weights, saved for backward.
-        parts.append(("bf16_weight_copies", 2 * _local_matmul_params(model, layout)))
+        parts.append(("bf16_weight_copies", 2 * _local_matmul_params(model, layout, pp_rank)))
     return parts
 
 
-def _local_matmul_params(model: ModelShape, layout: Layout) -> int:
+def _local_matmul_params(model: ModelShape, layout: Layout, pp_rank: int) -> int:
     if model.family == "mlp":
         return model.last_matmul_params
-    layers = math.ceil(model.n_layer / layout.pp)
-    return layers * model.layer_matmul_params // layout.tp + model.last_matmul_params
+    part = rank_part(model, layout, pp_rank)
+    head = -(-model.last_matmul_params // layout.tp) if part.last else 0
+    return part.blocks * model.layer_matmul_params // layout.tp + head
+
+
+def _estimate_rank(model: ModelShape, layout: Layout, pp_rank: int, precision: str, optimizer: str,
+                   momentum: float, activation_checkpointing: bool) -> MemoryEstimate:
+    params, grads, opt, local = _state_bytes(model, layout, pp_rank, optimizer, momentum)
+    e = 2 if precision == "bf16" else 4
+    r = 4  # the residual stream stays fp32 under autocast
+    acts = _activations(model, layout, pp_rank, e, r, activation_checkpointing)
+    parts = _overhead(model, layout, pp_rank, precision, local)
+    return MemoryEstimate(params=params, grads=grads, optimizer=opt, activations=acts,
+                          overhead=sum(b for _, b in parts), local_params=local,
+                          overhead_parts=tuple(parts), pp_rank=pp_rank)
 
 
 def estimate_memory(*, model: ModelShape, layout: Layout, precision: str = "fp32",
                     optimizer: str = "adamw", momentum: float = 0.9,
-                    activation_checkpointing: bool = False) -> MemoryEstimate:
-    """Bytes per device for training `model` with `layout` (see the module docstring).
+                    activation_checkpointing: bool = False, pp_rank: int | None = None) -> MemoryEstimate:
+    """Bytes on one device for training `model` with `layout` (see the module docstring):
+    on pipeline rank `pp_rank`, or (None) on the rank that needs the most.
 
     >>> from raytrain_platform.plan.shapes import preset_shape
     >>> m = preset_shape("llama2-7b")
     >>> full = estimate_memory(model=m, layout=Layout(dp=8, shard=8, micro_batch=1))
     >>> full.params == 4 * -(-m.num_params // 8)
+    True
+    >>> pp = Layout(pp=2, pp_split=(8, 24))  # stage 1: 24 blocks, final norm and head
+    >>> estimate_memory(model=m, layout=pp).pp_rank
+    1
+    >>> estimate_memory(model=m, layout=pp, pp_rank=0).local_params == 8 * m.layer_params + m.first_params
     True
     """
     if precision not in PRECISIONS:
@@ -227,11 +320,6 @@ def estimate_memory(*, model: ModelShape, layout: Layout, precision: str = "fp32
         raise ConfigError("--optimizer", optimizer, f"one of {list(OPTIMIZERS)}")
     if activation_checkpointing and model.family != "transformer":
         raise ConfigError("--activation-checkpointing", True, "off for an mlp (it checkpoints transformer blocks)")
-    params, grads, opt, local = _state_bytes(model, layout, optimizer, momentum)
-    e = 2 if precision == "bf16" else 4
-    r = 4  # the residual stream stays fp32 under autocast
-    acts = _activations(model, layout, e, r, activation_checkpointing)
-    parts = _overhead(model, layout, precision, local)
-    return MemoryEstimate(params=params, grads=grads, optimizer=opt, activations=acts,
-                          overhead=sum(b for _, b in parts), local_params=local,
-                          overhead_parts=tuple(parts))
+    ranks = range(layout.pp) if pp_rank is None else [pp_rank]
+    return max((_estimate_rank(model, layout, rank, precision, optimizer, momentum, activation_checkpointing)
+                for rank in ranks), key=lambda est: est.total)

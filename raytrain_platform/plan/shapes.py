@@ -56,6 +56,8 @@ class ModelShape:
     attention: str = "sdpa"  # "sdpa" (flash / memory-efficient: no s^2 term) | "eager"
     widths: tuple[int, ...] = ()  # mlp: input, hidden..., outputs
     exact: bool = True
+    tp_last_params: int = 0  # of last_params, those TP shards (an untied LM head)
+    tied: bool = False  # the LM head is the token embedding (counted in first_params)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,7 +91,7 @@ def _transformer(name: str, *, n_layer: int, hidden: int, n_head: int, seq_len: 
         layer_matmul_params=4 * h * h + (3 if gated else 2) * h * f,
         last_matmul_params=h * vocab,  # tied or not, the head is a matmul
         hidden=h, n_head=n_head, seq_len=seq_len, vocab=vocab, ffn_hidden=f, gated_mlp=gated,
-        dropout=dropout)
+        dropout=dropout, tp_last_params=0 if tied else h * vocab, tied=tied)
 
 
 def gpt_shape(spec: GPTSpec, *, name: str = "gpt") -> ModelShape:
@@ -147,7 +149,8 @@ def generic_shape(*, num_params: int, n_layer: int, hidden: int, seq_len: int,
         first_params=embed, first_tensors=1, last_params=num_params - embed - n_layer * layer,
         last_tensors=3, tp_layer_params=min(layer, 12 * h * h + 7 * h),
         layer_matmul_params=min(layer, 12 * h * h), last_matmul_params=h * vocab,
-        hidden=h, n_head=heads, seq_len=seq_len, vocab=vocab, ffn_hidden=4 * h, exact=False)
+        hidden=h, n_head=heads, seq_len=seq_len, vocab=vocab, ffn_hidden=4 * h, exact=False,
+        tp_last_params=embed)
 
 
 def _gpt2(name: str, n_layer: int, hidden: int, n_head: int) -> ModelShape:

@@ -18,6 +18,7 @@ accepting (and batching) requests meanwhile.
 # No `from __future__ import annotations`: FastAPI reads the endpoints' body types from
 # real annotations (as strings, under serve.ingress, they turn into query parameters).
 import asyncio
+import logging
 import secrets
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,21 @@ __all__ = ["ModelServer", "api"]
 
 api = make_api("raytrain_platform models", __version__)
 _ENDPOINT = {"mlp": "POST /v1/predict", "gpt": "POST /v1/generate"}
+
+
+class _ConcurrentBatchesWarning(logging.Filter):
+    """Drops Serve's warning that max_batch_size x max_concurrent_batches exceeds
+    max_ongoing_requests (so not every batch can be full at once): by design here, the
+    batches are many small ones that the coalescer merges."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "max_concurrent_batches" not in record.getMessage()
+
+
+def _quiet_concurrent_batches_warning() -> None:
+    serve_logger = logging.getLogger("ray.serve")  # the logger Serve's batcher warns on
+    if not any(isinstance(f, _ConcurrentBatchesWarning) for f in serve_logger.filters):
+        serve_logger.addFilter(_ConcurrentBatchesWarning())
 
 
 class _Loaded:
@@ -79,9 +95,16 @@ class ModelServer:
         # Decorated here, not on the class, so the LRU bound is this deployment's option.
         self.get_model = serve.multiplexed(max_num_models_per_replica=options.max_models_per_replica)(load_model)
         self._coalescer = Coalescer(self._grouped, max_items=options.max_batch_size)
-        for handler in (self._predict_batch, self._generate_batch):
-            handler.set_max_batch_size(options.max_batch_size)
-            handler.set_batch_wait_timeout_s(options.batch_wait_timeout_s)
+        # Serve's dynamic batcher, per deployment. Every batch it forms goes on to the
+        # coalescer at once (at most one batch per request in flight): with Serve's default
+        # of one batch at a time, the batches formed while the compute thread is busy (a
+        # request or two each) would wait their turn and compute one by one, unmerged.
+        batching = serve.batch(max_batch_size=options.max_batch_size,
+                               batch_wait_timeout_s=options.batch_wait_timeout_s,
+                               max_concurrent_batches=options.max_ongoing_requests)
+        self._predict_batch = batching(self._coalesced("predict"))
+        self._generate_batch = batching(self._coalesced("generate"))
+        _quiet_concurrent_batches_warning()
 
     async def _run(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
@@ -166,15 +189,14 @@ class ModelServer:
 
         return await self._run(run_all)
 
-    # Batch size and wait are set per deployment in __init__. Serve's batches then pass
-    # through the coalescer, so batches formed while the compute thread was busy run as one.
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-    async def _predict_batch(self, items: list[tuple[str, list[list[float]]]]) -> list[Prediction]:
-        return await self._coalescer.submit("predict", items)
+    def _coalesced(self, kind: str) -> Callable:
+        """The batch function for `kind`: a batch Serve formed -> the coalescer, so
+        batches formed while the compute thread was busy run as one."""
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-    async def _generate_batch(self, items: list[tuple[str, GenerationJob]]) -> list[bytes]:
-        return await self._coalescer.submit("generate", items)
+        async def batch(items: list[tuple[str, Any]]) -> list:
+            return await self._coalescer.submit(kind, items)
+
+        return batch
 
     # ---- endpoints --------------------------------------------------------------------------
     @api.post("/v1/predict", response_model=PredictResponse, responses=ERROR_RESPONSES)

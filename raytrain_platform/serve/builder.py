@@ -23,6 +23,9 @@ __all__ = ["app", "build_application", "deployment_options", "NORMAL_PRIORITY_EN
 # Ray starts workers at nice 15; replicas (and, in a Ray this package starts, Serve's
 # proxy) answering requests run at normal priority.
 NORMAL_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
+# Options that go into Serve's AutoscalingConfig (when max_replicas > 0), same names.
+AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s",
+                    "downscale_delay_s", "look_back_period_s")
 
 
 def deployment_options(options: ServeOptions) -> dict[str, Any]:
@@ -31,9 +34,7 @@ def deployment_options(options: ServeOptions) -> dict[str, Any]:
              "runtime_env": {"env_vars": dict(NORMAL_PRIORITY_ENV)}}
     scaling: dict[str, Any] = {"num_replicas": options.num_replicas}
     if options.max_replicas:
-        scaling = {"autoscaling_config": {"min_replicas": options.min_replicas,
-                                          "max_replicas": options.max_replicas,
-                                          "target_ongoing_requests": options.target_ongoing_requests}}
+        scaling = {"autoscaling_config": {key: getattr(options, key) for key in AUTOSCALING_KEYS}}
     return {"max_ongoing_requests": options.max_ongoing_requests, "ray_actor_options": actor,
             **scaling}
 

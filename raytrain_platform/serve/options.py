@@ -50,6 +50,12 @@ class ServeOptions:
     min_replicas: int = _opt(0, "autoscaling: fewest replicas (with max_replicas)", 0)
     max_replicas: int = _opt(0, "autoscaling: most replicas; 0 = no autoscaling, num_replicas fixed", 0)
     target_ongoing_requests: float = _opt(2.0, "autoscaling: requests in flight per replica to aim for", 0.01)
+    upscale_delay_s: float = _opt(30.0, "autoscaling: how long load must call for more replicas "
+                                        "before one is added, seconds", 0.0)
+    downscale_delay_s: float = _opt(600.0, "autoscaling: how long load must call for fewer replicas "
+                                           "before one is removed, seconds", 0.0)
+    look_back_period_s: float = _opt(30.0, "autoscaling: window the requests in flight are averaged "
+                                           "over, seconds (keep it above Serve's 10 s metrics push)", 1.0)
     max_ongoing_requests: int = _opt(64, "requests a replica takes at once (the rest queue); "
                                          "at least max_batch_size for full batches", 1)
     cpus_per_replica: float = _opt(1.0, "CPUs reserved per replica (also its torch threads)", 0.01)
