@@ -3,7 +3,7 @@ would write without it, on this machine.
 
     python benchmarks/run.py                          # all sections, ~10 min on 2 quiet CPU cores
                                                       # (~15 min while other jobs load them)
-    python benchmarks/run.py --sections ingest,startup
+    python benchmarks/run.py --sections ingest,startup --repeats 4
     python benchmarks/run.py --smoke [--out-dir DIR]  # the new sections at tiny sizes (tests)
 
 Sections (each interleaves its sides' repeats and reports medians and ratios):
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ingest
 import scaling
 import startup
-from common import ROOT, interleaved, local_ray, stamp, tabular_data
+from common import ROOT, free_port, interleaved, local_ray, stamp, tabular_data
 
 BENCH = ROOT / "benchmarks"
 
@@ -50,13 +50,14 @@ BENCH = ROOT / "benchmarks"
 # ---------------------------------------------------------------- sections built on the older scripts
 
 
-def train_vs_loop_section(work: Path, *, smoke: bool) -> dict:
+def train_vs_loop_section(work: Path, *, smoke: bool, repeats: int | None = None) -> dict:
     import torch
     import train_vs_loop as tvl
 
     torch.set_num_threads(1)  # the hand loop's; both platform sides set theirs from the config
     # Each platform run spends ~15 s starting Ray Train here, whatever its steps: 2 repeats.
-    repeats, steps, quick_steps = (1, 8, 4) if smoke else (2, 60, 30)
+    default_repeats, steps, quick_steps = (1, 8, 4) if smoke else (2, 60, 30)
+    repeats = repeats or default_repeats
     models = tvl.MODELS[:1] if smoke else tvl.MODELS
     local_ray()
     data = tabular_data(work / "tabular", max(max(b for _, _, b in models) * (steps + 8), 20_000),
@@ -112,7 +113,8 @@ def train_vs_loop_rows(r: dict) -> list[str]:
     return rows
 
 
-def memory_section(work: Path, *, smoke: bool) -> dict:
+def memory_section(work: Path, *, smoke: bool, repeats: int | None = None) -> dict:
+    """Exact byte counts: one run per layout, whatever `repeats` says."""
     import strategies
 
     work.mkdir(parents=True, exist_ok=True)
@@ -133,11 +135,11 @@ def memory_rows(r: dict) -> list[str]:
             f"{e['ratio']:.2f} | 0.5 |"]
 
 
-def serve_section(work: Path, *, smoke: bool) -> dict:
+def serve_section(work: Path, *, smoke: bool, repeats: int | None = None) -> dict:
     import serve_bench
 
     levels = {"mlp-small": [(4, 16)]} if smoke else serve_bench.QUICK_LEVELS
-    rows = serve_bench.run(levels, serve_bench._free_port(), repeats=1 if smoke else 2)
+    rows = serve_bench.run(levels, free_port(), repeats=repeats or (1 if smoke else 2))
     out = {}
     for name in dict.fromkeys(r["model"] for r in rows):
         on = next(r for r in rows if r["model"] == name and r["batching"])
@@ -208,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                                       f"with --smoke: {','.join(SMOKE_SECTIONS)})")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat; writes only to --out-dir")
     p.add_argument("--out-dir", type=Path, help="where results.json / results.md go (default benchmarks/)")
+    p.add_argument("--repeats", type=int, help="interleaved repeats of every side (default: each section's own, 2-3)")
     args = p.parse_args(argv)
     names = (args.sections.split(",") if args.sections else
              list(SMOKE_SECTIONS if args.smoke else SECTIONS))
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 ray.shutdown()
             t0 = time.perf_counter()
             print(f"== {name}", flush=True)
-            results.update(measure(Path(tmp) / name, smoke=args.smoke))
+            results.update(measure(Path(tmp) / name, smoke=args.smoke, repeats=args.repeats))
             timings[name] = round(time.perf_counter() - t0, 1)
             print(f"== {name}: {timings[name]:.0f}s", flush=True)
     import ray

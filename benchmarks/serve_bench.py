@@ -45,6 +45,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import free_port  # noqa: E402
 from raytrain_platform.serve.builder import NORMAL_PRIORITY_ENV, build_application  # noqa: E402
 from raytrain_platform.serve.catalog import load_catalog  # noqa: E402
 from raytrain_platform.serve.options import parse_serve_args  # noqa: E402
@@ -118,14 +119,6 @@ def _deploy(run_dir: Path, batch: int) -> str:
     return prefix
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _measure(url: str, name: str, levels: list[tuple[int, int]], repeats: int) -> list[dict]:
     """Both variants at each level, alternated `repeats` times (the machine's load drifts):
     median requests/s over the repeats, latency percentiles over all their requests."""
@@ -195,7 +188,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="the mlp models at 32 clients, once; no results files")
     p.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (default: a free one)")
     args = p.parse_args()
-    port = args.port or _free_port()
+    port = args.port or free_port()
     levels, repeats = (SMOKE_LEVELS, 1) if args.smoke else (QUICK_LEVELS, 1) if args.quick else (LEVELS, 3)
     rows = run(levels, port, repeats=repeats)
     errors = sum(r["errors"] for r in rows)

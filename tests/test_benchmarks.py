@@ -45,7 +45,7 @@ def test_run_smoke(tmp_path):
     _run(["benchmarks/run.py", "--smoke", "--out-dir", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     variants = results["ingest"]["variants"]
-    assert set(variants) == {"ray_data", "dataloader", "ray_tuned", "ray_data_2w"}
+    assert set(variants) == {"ray_data", "dataloader", "ray_rowgroup_blocks", "ray_data_2w"}
     assert all(v["rows"] > 0 and v["rows_per_s"] > 0 for v in variants.values()), variants
     assert variants["ray_data"]["rows"] == variants["dataloader"]["rows"]  # the same batches
     assert results["scaling"]["samples_per_s"]["2w_accum4"] > 0

@@ -83,9 +83,10 @@ _TRAIN_WORKER_ENV = {"RAY_worker_niceness": "0"}
 JOB_ENV = dict(_RAY_ENV)  # every process of the job
 
 
-def init_ray(address: str | None, verbose: bool) -> None:
+def init_ray(address: str | None, verbose: bool, *, env_vars: dict[str, str] | None = None) -> None:
     """Connect to `address` (or ``RAY_ADDRESS``), else start a fresh embedded Ray; no-op
-    when connected. The job's processes get `JOB_ENV` (quiet logs)."""
+    when connected. The job's processes get `env_vars` (default `JOB_ENV`: quiet logs;
+    `rtp serve` passes its replicas' priority)."""
     import ray
 
     for k, v in _RAY_ENV.items():
@@ -94,7 +95,7 @@ def init_ray(address: str | None, verbose: bool) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict = {"log_to_driver": verbose, "logging_level": "INFO" if verbose else "WARNING",
-                    "runtime_env": {"env_vars": dict(JOB_ENV)}}
+                    "runtime_env": {"env_vars": dict(JOB_ENV if env_vars is None else env_vars)}}
     if address:
         ray.init(address=address, **kwargs)
     else:

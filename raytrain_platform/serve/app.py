@@ -34,7 +34,7 @@ from raytrain_platform.serve.http import ERROR_RESPONSES, error, make_api
 from raytrain_platform.serve import inference
 from raytrain_platform.serve.inference import GenerationJob, Prediction
 from raytrain_platform.serve.options import ServeOptions
-from raytrain_platform.serve.schemas import (GenerateRequest, GenerateResponse, HealthResponse, ModelInfo,
+from raytrain_platform.serve.schemas import (BatchStats, GenerateRequest, GenerateResponse, HealthResponse, ModelInfo,
                                              ModelsResponse, PredictRequest, PredictResponse)
 
 __all__ = ["ModelServer", "api"]
@@ -88,6 +88,7 @@ class ModelServer:
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-compute",
                                            initializer=torch.set_num_threads, initargs=(threads,))
         self.loaded: set[str] = set()
+        self.batches: dict[str, BatchStats] = defaultdict(BatchStats)  # per kind, /healthz shows them
 
         async def load_model(model_id: str) -> _Loaded:
             return _Loaded(model_id, await self._run(self._load, model_id), self.loaded)
@@ -174,6 +175,7 @@ class ModelServer:
         """One compute call per model among `items` (``(model_id, payload)``), on the
         compute thread; results in item order."""
         compute = self._predict_compute if kind == "predict" else self._generate_compute
+        self.batches[kind].record(len(items))
         groups: dict[str, list[int]] = defaultdict(list)
         for i, (model_id, _) in enumerate(items):
             groups[model_id].append(i)
@@ -224,4 +226,5 @@ class ModelServer:
 
     @api.get("/healthz", response_model=HealthResponse)
     async def healthz(self) -> HealthResponse:
-        return HealthResponse(status="ok", models=list(self.catalog), loaded=sorted(self.loaded))
+        return HealthResponse(status="ok", models=list(self.catalog), loaded=sorted(self.loaded),
+                              batches=dict(self.batches))

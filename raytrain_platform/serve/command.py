@@ -94,19 +94,6 @@ def _write_config(path: str, options: ServeOptions, *, host: str, port: int) -> 
     print(f"wrote {path}; deploy it with: serve deploy {path}")
 
 
-def _init_ray(address: str | None) -> None:
-    import ray
-
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
-    else:  # a fresh embedded Ray, never one left behind by `ray start`
-        from raytrain_platform.serve.builder import NORMAL_PRIORITY_ENV
-
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level="WARNING",
-                 runtime_env={"env_vars": dict(NORMAL_PRIORITY_ENV)})
-
-
 def _stop_on_sigterm() -> None:
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -119,9 +106,10 @@ def _serve_until_stopped(catalog: dict[str, dict], options: ServeOptions, *, hos
     import ray
     from ray import serve
 
-    from raytrain_platform.serve.builder import build_application
+    from raytrain_platform.launch.trainer import init_ray
+    from raytrain_platform.serve.builder import NORMAL_PRIORITY_ENV, build_application
 
-    _init_ray(address)
+    init_ray(address, verbose=False, env_vars=NORMAL_PRIORITY_ENV)
     attached = bool(address or os.environ.get("RAY_ADDRESS"))
     try:
         if options.use_gpu and ray.cluster_resources().get("GPU", 0) < 1:

@@ -20,7 +20,7 @@ from typing import Annotated, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["PredictRequest", "PredictResponse", "GenerateRequest", "GenerateResponse",
-           "ModelInfo", "ModelsResponse", "HealthResponse", "ErrorResponse"]
+           "ModelInfo", "ModelsResponse", "HealthResponse", "BatchStats", "ErrorResponse"]
 
 Feature = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 ModelId = Annotated[Optional[str], Field(
@@ -85,11 +85,27 @@ class ModelsResponse(_Strict):
     models: list[ModelInfo]
 
 
+class BatchStats(_Strict):
+    """How requests of one kind reached the model on one replica: each compute call
+    answers every request waiting for it (dynamic batching), so `requests / calls` is
+    the mean batch."""
+
+    calls: int = Field(0, description="compute calls (model forwards or generation loops)")
+    requests: int = Field(0, description="requests those calls answered")
+    largest: int = Field(0, description="most requests answered by one call")
+
+    def record(self, n: int) -> None:
+        self.calls, self.requests, self.largest = self.calls + 1, self.requests + n, max(self.largest, n)
+
+
 class HealthResponse(_Strict):
     status: str
     models: list[str] = Field(description="every served model id")
     loaded: list[str] = Field(description="ids loaded on the replica that answered (at most "
                               "max_models_per_replica: least recently used ones are unloaded)")
+    batches: dict[str, BatchStats] = Field(
+        default_factory=dict, description="on the replica that answered, per kind of work "
+                                          "(predict, generate), since it started")
 
 
 class ErrorResponse(_Strict):
