@@ -231,6 +231,45 @@ def test_worker_killed_while_writing_a_checkpoint(cluster, tmp_path):
     _assert_same_losses(_losses(run_dir), _losses(tmp_path / "ref" / "ckpt-kill"), rtol=1e-5)
 
 
+_PACK_ALONE = """
+import collections, json, ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+ray.init(address="{address}", logging_level="ERROR", log_to_driver=False)
+pg = placement_group([{{"CPU": 1}}] * 4, strategy="PACK")
+ray.get(pg.ready(), timeout=60)
+per_node = collections.Counter(placement_group_table(pg)["bundles_to_node_id"].values())
+print(json.dumps(sorted(per_node.values())))
+remove_placement_group(pg)
+"""
+
+
+def test_tp_groups_stay_on_one_node(cluster, tmp_path):
+    """tp 2 x fsdp 2 on 4 one-CPU workers over the two 3-CPU worker nodes. Ray's PACK
+    alone, checked first with a bare placement group of the same bundles, puts 3 workers
+    on one node and 1 on the other: a TP group would span the nodes. The run's placement
+    pins 2 + 2 (launch/placement.py), and each TP group's ranks report one node."""
+    pack = subprocess.run([sys.executable, "-c", _PACK_ALONE.format(address=cluster["address"])],
+                          capture_output=True, text=True, env=_client_env(), timeout=120)
+    assert pack.returncode == 0, pack.stderr[-2000:]
+    assert json.loads(pack.stdout.strip().splitlines()[-1]) == [1, 3]
+
+    cfg = gpt_config(tmp_path, "tp-nodes", parallel={"tp_size": 2, "strategy": "fsdp"},
+                     data={"batch_size": 4}, train={"max_steps": 3},
+                     scaling={"num_workers": 4, "cpus_per_worker": 1, "torch_threads": 1},
+                     run={"checkpoint_every": 0, "eval_every": 0})
+    log = tmp_path / "tp-nodes.log"
+    _finish(_rtp_train(cfg, tmp_path / "tp-nodes.yaml", cluster["address"]), log)
+    assert "placement: 2 tensor-parallel groups of 2 workers, each group on one node: 1 on node" \
+        in log.read_text(), log.read_text()[-3000:]
+    [attempt] = _attempts(tmp_path / "tp-nodes")
+    node_of = {w["rank"]: w["node_id"] for w in attempt["workers"]}
+    assert node_of[0] == node_of[1] and node_of[2] == node_of[3], node_of
+    workers_per_node = collections.Counter(node_of.values())
+    assert workers_per_node == {cluster["node_ids"]["node_1"]: 2, cluster["node_ids"]["node_2"]: 2}
+    assert [s for s, _ in _losses(tmp_path / "tp-nodes")] == [1, 2, 3]
+
+
+# Last in this module: it removes a worker node, which the tests above need.
 def test_elastic_run_goes_on_when_a_node_is_lost(cluster, tmp_path):
     """num_workers {min: 1, max: 2}, one worker per node: SIGKILL worker node 2 after the
     step-10 checkpoint. The run restarts on the one node left with one worker and
@@ -277,41 +316,3 @@ def test_elastic_run_goes_on_when_a_node_is_lost(cluster, tmp_path):
     ref["run"]["storage_path"] = str(tmp_path / "ref")
     torchrun_metrics(ref, tmp_path / "ref" / "c.yaml", 2, env={"PYTHONPATH": str(TESTS)})
     _assert_same_losses(_losses(run_dir), _losses(tmp_path / "ref" / "elastic"), rtol=1e-5)
-
-
-_PACK_ALONE = """
-import collections, json, ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-ray.init(address="{address}", logging_level="ERROR", log_to_driver=False)
-pg = placement_group([{{"CPU": 1}}] * 4, strategy="PACK")
-ray.get(pg.ready(), timeout=60)
-per_node = collections.Counter(placement_group_table(pg)["bundles_to_node_id"].values())
-print(json.dumps(sorted(per_node.values())))
-remove_placement_group(pg)
-"""
-
-
-def test_tp_groups_stay_on_one_node(cluster, tmp_path):
-    """tp 2 x fsdp 2 on 4 one-CPU workers over the two 3-CPU worker nodes. Ray's PACK
-    alone, checked first with a bare placement group of the same bundles, puts 3 workers
-    on one node and 1 on the other: a TP group would span the nodes. The run's placement
-    pins 2 + 2 (launch/placement.py), and each TP group's ranks report one node."""
-    pack = subprocess.run([sys.executable, "-c", _PACK_ALONE.format(address=cluster["address"])],
-                          capture_output=True, text=True, env=_client_env(), timeout=120)
-    assert pack.returncode == 0, pack.stderr[-2000:]
-    assert json.loads(pack.stdout.strip().splitlines()[-1]) == [1, 3]
-
-    cfg = gpt_config(tmp_path, "tp-nodes", parallel={"tp_size": 2, "strategy": "fsdp"},
-                     data={"batch_size": 4}, train={"max_steps": 3},
-                     scaling={"num_workers": 4, "cpus_per_worker": 1, "torch_threads": 1},
-                     run={"checkpoint_every": 0, "eval_every": 0})
-    log = tmp_path / "tp-nodes.log"
-    _finish(_rtp_train(cfg, tmp_path / "tp-nodes.yaml", cluster["address"]), log)
-    assert "placement: 2 tensor-parallel groups of 2 workers, each group on one node: 1 on node" \
-        in log.read_text(), log.read_text()[-3000:]
-    [attempt] = _attempts(tmp_path / "tp-nodes")
-    node_of = {w["rank"]: w["node_id"] for w in attempt["workers"]}
-    assert node_of[0] == node_of[1] and node_of[2] == node_of[3], node_of
-    workers_per_node = collections.Counter(node_of.values())
-    assert workers_per_node == {cluster["node_ids"]["node_1"]: 2, cluster["node_ids"]["node_2"]: 2}
-    assert [s for s, _ in _losses(tmp_path / "tp-nodes")] == [1, 2, 3]
