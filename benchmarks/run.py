@@ -139,7 +139,8 @@ def serve_section(work: Path, *, smoke: bool, repeats: int | None = None) -> dic
     import serve_bench
 
     levels = {"mlp-small": [(4, 16)]} if smoke else serve_bench.QUICK_LEVELS
-    rows = serve_bench.run(levels, free_port(), repeats=repeats or (1 if smoke else 2))
+    repeats = repeats or (1 if smoke else 2)
+    rows = serve_bench.run(levels, free_port(), repeats=repeats)
     out = {}
     for name in dict.fromkeys(r["model"] for r in rows):
         on = next(r for r in rows if r["model"] == name and r["batching"])
@@ -150,7 +151,7 @@ def serve_section(work: Path, *, smoke: bool, repeats: int | None = None) -> dic
                      "p50_ms_batched": round(on["p50_ms"], 1), "p50_ms_unbatched": round(off["p50_ms"], 1),
                      "p99_ms_batched": round(on["p99_ms"], 1), "p99_ms_unbatched": round(off["p99_ms"], 1),
                      "errors": on["errors"] + off["errors"]}
-    return {"serve_batching": {**stamp(), "repeats": 1 if smoke else 2, "models": out}}
+    return {"serve_batching": {**stamp(), "repeats": repeats, "models": out}}
 
 
 def serve_rows(r: dict) -> list[str]:

@@ -130,14 +130,14 @@ def _tp_label_selector(cfg: JobConfig, per_worker: dict[str, float],
     what stays free on a node is Ray Data's and the Train controller's (0 CPUs).
     Elastic runs never get here with TP: config validation refuses elastic TP, and a
     pinned node that is lost would keep an elastic run from shrinking."""
+    tp_size = cfg.parallel.tp_size
+    if tp_size == 1:
+        return None
     import ray
     from ray._private.state import available_resources_per_node  # as ray.util.tpu reads it
 
     from raytrain_platform.launch.placement import describe_tp_placement, place_tp_groups
 
-    tp_size = cfg.parallel.tp_size
-    if tp_size == 1:
-        return None
     alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     free = {node: res for node, res in available_resources_per_node().items() if node in alive}
     selectors = place_tp_groups(free, per_worker, num_workers=cfg.scaling.num_workers, tp_size=tp_size,
