@@ -7,11 +7,12 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
+ROW_GROUP_ROWS = 4096  # rows per Parquet row group in the benchmarks' tabular data
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -63,6 +64,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def steady(rows: list[dict], warmup: int = 5) -> dict:
+    """Median per-step samples/s and data-wait fraction of a run's metrics rows after
+    `warmup` steps (the last row alone when the run was no longer than that)."""
+    rows = rows[warmup:] if len(rows) > warmup else rows[-1:]
+    return {"samples_per_s": statistics.median(r["samples_per_s"] for r in rows),
+            "data_wait_frac": statistics.median(r["data_wait_frac"] for r in rows),
+            "steps": len(rows)}
+
+
+def torchrun_core(nproc: int, config: Path, overrides: Sequence[str] = (), *, label: str,
+                  timeout: float = 900) -> None:
+    """Train `config` on the Ray-free core: ``torchrun --nproc-per-node N -m
+    raytrain_platform.core --config CONFIG [--set K=V ...]`` on 127.0.0.1, one torch
+    thread per rank; raises with the stderr tail (and `label`) when it fails."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "raytrain_platform.core", "--config", str(config)]
+    for kv in overrides:
+        cmd += ["--set", kv]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise RuntimeError(f"{label}: torchrun core failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
 def local_ray(num_cpus: int = 2) -> None:
     """A fresh embedded Ray with this machine's CPUs, quiet, as `rtp train` starts one
     (the platform's `train` then reuses it: `init_ray` is a no-op when connected)."""
@@ -78,7 +106,7 @@ def local_ray(num_cpus: int = 2) -> None:
 
 
 def tabular_data(folder: Path, rows: int, *, features: int = 64, classes: int = 8,
-                 row_group_rows: int = 4096) -> Path:
+                 row_group_rows: int = ROW_GROUP_ROWS) -> Path:
     """Synthetic classification rows as 4 Parquet files (the platform's own writer)."""
     from raytrain_platform.data.generate import write_tabular_parquet
 

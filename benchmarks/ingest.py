@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import interleaved, local_ray, stamp, tabular_data
+from common import ROW_GROUP_ROWS, interleaved, local_ray, stamp, tabular_data
 
 BATCH, FEATURES = 256, 64
 
@@ -73,42 +73,36 @@ def _consume(batches) -> dict:
             "first_batch_s": first, "seconds": total}
 
 
-def _shards(data: Path, *, prefetch: int = 2, rowgroups_per_block: int | None = None, world: int = 1):
+def _shards(data: Path, *, prefetch: int = 2, rows_per_read: int | None = None, world: int = 1):
     """The iterators the workers of a `world`-worker TorchTrainer get, built as the
-    platform builds them (for several workers: blocks of exactly one micro-batch)."""
+    platform builds them (for several workers: blocks of exactly one micro-batch);
+    `rows_per_read`: the platform's Parquet reads with another block size."""
     from ray.train import DataConfig
 
-    from raytrain_platform.data import ray_data, sources
-    from raytrain_platform.data.ray_data import build_datasets, ingest_options
+    from raytrain_platform.data import sources
+    from raytrain_platform.data.ray_data import build_datasets, ingest_options, parquet_dataset
     from raytrain_platform.launch.trainer import prepare
 
     cfg = _config(data, prefetch)
     cfg["scaling"]["num_workers"] = world
     cfg["parallel"]["strategy"] = "ddp" if world > 1 else "none"
     job = prepare(cfg)
-    if rowgroups_per_block is None:
+    if rows_per_read is None:
         ds = build_datasets(job.config, job.data)["train"]
-    else:  # the same read function, `rowgroups_per_block` row groups per task and block
-        import ray.data
-
-        spec = sources.SourceSpec.from_config(job.config)
-        chunks, _ = sources.parquet_chunks(str(data), spec)
-        items = [{"path": c.path, "row_group": c.row_group, "first_id": c.first_id,
-                  "num_rows": c.num_rows} for c in chunks]
-        ds = ray.data.from_items(items, override_num_blocks=-(-len(items) // rowgroups_per_block))
-        ds = ds.map_batches(ray_data._ParquetChunks(spec, job.data.feature_columns, "train", str(data)),
-                            batch_size=rowgroups_per_block, batch_format="numpy")
+    else:
+        ds = parquet_dataset(sources.SourceSpec.from_config(job.config), "train", job.data.feature_columns,
+                             rows_per_read=rows_per_read)
     ds.context.enable_progress_bars = False
     config = DataConfig(datasets_to_split=["train"], execution_options=ingest_options())
     return [split["train"] for split in config.configure(
         {"train": ds}, world_size=world, worker_handles=None, worker_node_ids=None)]
 
 
-def ray_side(data: Path, *, prefetch: int = 2, rowgroups_per_block: int | None = None,
+def ray_side(data: Path, *, prefetch: int = 2, rows_per_read: int | None = None,
              torch_batches: bool = False) -> dict:
     from raytrain_platform.launch.worker import _as_tensors
 
-    it, = _shards(data, prefetch=prefetch, rowgroups_per_block=rowgroups_per_block)
+    it, = _shards(data, prefetch=prefetch, rows_per_read=rows_per_read)
     if torch_batches:
         return _consume(it.iter_torch_batches(batch_size=BATCH, drop_last=True, prefetch_batches=prefetch))
     return _consume(map(_as_tensors, it.iter_batches(batch_size=BATCH, batch_format="numpy",
@@ -183,7 +177,7 @@ VARIANTS = {  # name -> (what it is, function of the data folder)
                           lambda d: ray_side(d, torch_batches=True)),
     "ray_prefetch8": ("platform path, prefetch 8 batches", lambda d: ray_side(d, prefetch=8)),
     "ray_rowgroup_blocks": ("platform path with one row group (4,096 rows) per read task and block "
-                            "(its reads before this tuning)", lambda d: ray_side(d, rowgroups_per_block=1)),
+                            "(its reads before this tuning)", lambda d: ray_side(d, rows_per_read=ROW_GROUP_ROWS)),
     "ray_data_2w": ("platform path for 2 workers (blocks of one micro-batch, streaming split of 2), "
                     "both shards read by 2 threads here", ray_two_workers),
 }

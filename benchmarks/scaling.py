@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, free_port, interleaved, local_ray, stamp
+from common import ROOT, interleaved, local_ray, stamp, steady, torchrun_core
 
 QUICKSTART = ROOT / "pipelines/configs/quickstart.yaml"
 WARMUP = 5
@@ -43,7 +40,7 @@ def run_layout(storage: Path, name: str, workers: int, accum: int, steps: int) -
     from raytrain_platform.launch.trainer import train
 
     result = train(QUICKSTART, _overrides(storage, name, workers, accum, steps), progress=False)
-    return _steady(result.metrics)
+    return steady(result.metrics, WARMUP)
 
 
 def _overrides(storage: Path, name: str, workers: int, accum: int, steps: int) -> list[str]:
@@ -52,27 +49,12 @@ def _overrides(storage: Path, name: str, workers: int, accum: int, steps: int) -
             "run.checkpoint_every=0", "run.log_every=1"]
 
 
-def _steady(rows: list[dict]) -> dict:
-    rows = rows[WARMUP:] if len(rows) > WARMUP else rows[-1:]
-    return {"samples_per_s": statistics.median(r["samples_per_s"] for r in rows),
-            "data_wait_frac": statistics.median(r["data_wait_frac"] for r in rows),
-            "steps": len(rows)}
-
-
 def run_core(storage: Path, name: str, workers: int, steps: int) -> dict:
     """The same job on the Ray-free core: `torchrun --nproc-per-node N -m raytrain_platform.core`."""
     from raytrain_platform.rundir import read_metrics
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "raytrain_platform.core", "--config", str(QUICKSTART)]
-    for kv in _overrides(storage, name, workers, 1, steps):
-        cmd += ["--set", kv]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode:
-        raise RuntimeError(f"torchrun core failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return _steady(read_metrics(storage / name))
+    torchrun_core(workers, QUICKSTART, _overrides(storage, name, workers, 1, steps), label=name, timeout=600)
+    return steady(read_metrics(storage / name), WARMUP)
 
 
 def measure(work: Path, *, smoke: bool, repeats: int | None = None, steps: int | None = None) -> dict:

@@ -22,14 +22,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
-from common import free_port
+from common import torchrun_core
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"name": "gpt", "kwargs": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64}}
@@ -83,15 +81,9 @@ def run_layout(storage: Path, name: str, ranks: int, parallel: dict, steps: int)
     cfg = _config(storage, name, ranks, parallel, steps)
     path = storage / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "raytrain_platform.core",
-           "--config", str(path)]
     cpu_before = _children_cpu_s()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    torchrun_core(ranks, path, label=name)
     cpu_s = _children_cpu_s() - cpu_before
-    if proc.returncode:
-        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(x) for x in (storage / name / "metrics.jsonl").read_text().splitlines()]
     steady = rows[3:] or rows
     return {"samples_per_s": statistics.median(r["samples_per_s"] for r in steady),

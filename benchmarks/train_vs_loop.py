@@ -30,6 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import steady  # noqa: E402
+
 FEATURES, CLASSES, LR = 64, 8, 1e-3
 # (name, hidden sizes, batch): a small model whose step (~8 ms) shows the per-step
 # overhead plainly, and a medium one (~2.2M parameters) with a more typical step.
@@ -50,18 +52,12 @@ def _config(data_dir: Path, storage: Path, name: str, steps: int, hidden: list[i
     }
 
 
-def _steady(rows: list[dict]) -> dict:
-    rows = rows[5:]  # the first steps include warm-up
-    return {"samples_per_s": statistics.median(r["samples_per_s"] for r in rows),
-            "data_wait_frac": statistics.median(r["data_wait_frac"] for r in rows)}
-
-
 def platform_run(data_dir: Path, storage: Path, name: str, steps: int, hidden: list[int],
                  batch: int) -> dict:
     """`rtp train`'s path: Ray Train worker, Ray Data streaming the Parquet files."""
     from raytrain_platform.launch.trainer import train
 
-    return _steady(train(_config(data_dir, storage, name, steps, hidden, batch),
+    return steady(train(_config(data_dir, storage, name, steps, hidden, batch),
                          progress=False).metrics)
 
 
@@ -78,7 +74,7 @@ def engine_run(data_dir: Path, storage: Path, name: str, steps: int, hidden: lis
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(_config(data_dir, storage, name, steps, hidden, batch)))
     core_main(["--config", str(path)])
-    return _steady(read_metrics(storage / name))
+    return steady(read_metrics(storage / name))
 
 
 def hand_loop(data_dir: Path, steps: int, hidden: list[int], batch: int, *, fused: bool = False) -> dict:
