@@ -51,7 +51,7 @@ def _overrides(storage: Path, name: str, workers: int, accum: int, steps: int) -
 
 def run_core(storage: Path, name: str, workers: int, steps: int) -> dict:
     """The same job on the Ray-free core: `torchrun --nproc-per-node N -m raytrain_platform.core`."""
-    from raytrain_platform.rundir import read_metrics
+    from raytrain_platform.core.rundir import read_metrics
 
     torchrun_core(workers, QUICKSTART, _overrides(storage, name, workers, 1, steps), label=name, timeout=600)
     return steady(read_metrics(storage / name), WARMUP)

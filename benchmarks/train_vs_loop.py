@@ -68,7 +68,7 @@ def engine_run(data_dir: Path, storage: Path, name: str, steps: int, hidden: lis
     import yaml
 
     from raytrain_platform.core.__main__ import main as core_main
-    from raytrain_platform.rundir import read_metrics
+    from raytrain_platform.core.rundir import read_metrics
 
     path = storage / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)

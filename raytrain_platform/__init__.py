@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from raytrain_platform._version import __version__
 from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.errors import CheckpointError, ConfigError, DataError, UserError
 
 __all__ = ["JobConfig", "load_config", "train", "TrainResult", "sweep", "SweepResult",
            "export_checkpoint", "UserError",
            "ConfigError", "DataError", "CheckpointError", "__version__"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,7 @@ import importlib
 import sys
 from typing import Callable
 
-from raytrain_platform.errors import UserError
+from raytrain_platform.errors import UserError, first_line, user_cause
 
 __all__ = ["main"]
 
@@ -123,40 +123,14 @@ def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> i
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a failed run: one line, and where to look
-        cause = _user_cause(exc)
+        cause = user_cause(exc)
         if cause is not None:
             print(f"error: {cause}", file=sys.stderr)
             return 2
         hint = " (rerun with --verbose for Ray's logs)" if hasattr(args, "verbose") else ""
-        print(f"error: {args.command} failed: {type(exc).__name__}: {_first_line(exc)}{hint}",
+        print(f"error: {args.command} failed: {type(exc).__name__}: {first_line(exc)}{hint}",
               file=sys.stderr)
         return 1
-
-
-def _user_cause(exc: BaseException) -> UserError | None:
-    """A UserError raised inside a Ray worker arrives wrapped; find it."""
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if id(e) in seen or e is None:
-            continue
-        seen.add(id(e))
-        if isinstance(e, UserError):
-            return e
-        stack += [e.__cause__, e.__context__, getattr(e, "cause", None)]
-        stack += list(getattr(e, "worker_failures", {}).values()) if isinstance(
-            getattr(e, "worker_failures", None), dict) else []
-    return None
-
-
-def _first_line(exc: BaseException) -> str:
-    """The error a person needs: for worker failures, the last line of rank 0's traceback."""
-    failures = getattr(exc, "worker_failures", None)
-    if isinstance(failures, dict) and failures:
-        exc = failures[min(failures)]
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
 
 
 def job_entry(command: str, file_flag: str, argv: list[str] | None = None) -> int:

@@ -27,8 +27,9 @@ from typing import Any, ClassVar, Union
 import yaml
 
 from raytrain_platform.errors import ConfigError
-from raytrain_platform.models.specs import BUILTIN_MODELS, MODEL_TASKS, resolve_model_kwargs
-from raytrain_platform.parallel.dims import PP_SCHEDULES, ParallelDims, validate_parallel_dims
+from raytrain_platform.models.family import TASKS
+from raytrain_platform.models.registry import get_family
+from raytrain_platform.parallel.dims import PP_SCHEDULES, ParallelDims
 from raytrain_platform.parallel.registry import STRATEGIES, strategy_names
 from raytrain_platform.units import parse_size
 
@@ -46,7 +47,6 @@ __all__ = [
 
 _REQUIRED: Any = dataclasses.MISSING
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 def _check(ok: bool, path: str, value: object, allowed: str) -> None:
@@ -56,29 +56,26 @@ def _check(ok: bool, path: str, value: object, allowed: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """`name` is a built-in (`mlp`, `gpt`) or an import path ``pkg.module:build_fn``
-    whose function takes ``**kwargs`` and returns an ``nn.Module``."""
+    """`name` is a model family (`gpt`, `mlp`; models/registry.py) or an import path
+    ``pkg.module:build_fn`` whose function takes ``**kwargs`` and returns an ``nn.Module``.
+    The family validates `kwargs` and decides the task."""
 
     SECTION: ClassVar[str] = "model"
     name: str = _REQUIRED
     kwargs: dict = field(default_factory=dict)
     task: Union[str, None] = None  # classification | regression | lm; built-ins know theirs
+    # The class name of the repeated blocks (FSDP units, activation checkpointing);
+    # default: the children of the model's largest ModuleList of one class.
+    block_class: Union[str, None] = None
 
     def __post_init__(self) -> None:
-        builtin = self.name in BUILTIN_MODELS
-        _check(builtin or bool(_IMPORT_PATH.match(self.name)), "model.name", self.name,
-               f"one of {sorted(BUILTIN_MODELS)} or an import path 'pkg.module:build_fn'")
-        _check(self.task is None or self.task in MODEL_TASKS, "model.task", self.task,
-               f"one of {list(MODEL_TASKS)}")
-        if builtin:
-            # Fills in defaults and rejects unknown or bad keys with the field named.
-            self.kwargs = resolve_model_kwargs(self.name, self.kwargs)
-            builtin_task = self.kwargs.get("task", "lm")
-            _check(self.task in (None, builtin_task), "model.task", self.task,
-                   f"'{builtin_task}' for model {self.name} (or leave it out)")
-            self.task = builtin_task
-        elif self.task is None:
-            self.task = "classification"
+        family = get_family(self.name)
+        _check(self.task is None or self.task in TASKS, "model.task", self.task, f"one of {list(TASKS)}")
+        # Fills in defaults and rejects unknown or bad keys with the field named.
+        self.kwargs = family.resolve_kwargs(self.kwargs)
+        self.task = family.resolve_task(self.kwargs, self.task)
+        _check(self.block_class is None or bool(re.fullmatch(r"[A-Za-z_]\w*", self.block_class)),
+               "model.block_class", self.block_class, "a Python class name, or null")
 
 
 @dataclass
@@ -96,6 +93,9 @@ class DataConfig:
     num_classes: int = 4  # synthetic classification
     seed: int = 0  # synthetic generator
     glob: str = "**/*.py"  # text: which files under path
+    # lm: tokens of context per sample (each sample holds seq_len + 1 tokens: the targets
+    # are the inputs shifted by one). Default: the model's context (gpt: block_size).
+    seq_len: Union[int, None] = None
     max_files: Union[int, None] = None  # text: use only the first N files (sorted)
     prefetch_batches: int = 2
     shuffle_buffer: int = 0  # local shuffle buffer in rows per worker; 0 = source order
@@ -122,6 +122,8 @@ class DataConfig:
         _check(self.num_classes >= 2, "data.num_classes", self.num_classes, "an integer >= 2")
         _check(self.max_files is None or self.max_files >= 1, "data.max_files", self.max_files,
                "an integer >= 1 or null")
+        _check(self.seq_len is None or self.seq_len >= 1, "data.seq_len", self.seq_len,
+               "an integer >= 1 or null (the model's context)")
         _check(self.prefetch_batches >= 0, "data.prefetch_batches", self.prefetch_batches,
                "an integer >= 0")
         _check(self.shuffle_buffer >= 0, "data.shuffle_buffer", self.shuffle_buffer,
@@ -338,7 +340,7 @@ class JobConfig:
                        "1 with parallel.strategy auto (the plan chooses the model-parallel sizes)")
         else:
             strat = STRATEGIES[par.strategy]
-            validate_parallel_dims(self)
+            _validate_parallel_dims(self)
             n = ParallelDims.from_config(self).dp  # the strategy spans the data-parallel ranks
             _check(strat.min_workers <= n and (strat.max_workers is None or n <= strat.max_workers),
                    "scaling.num_workers", self.scaling.num_workers,
@@ -364,16 +366,33 @@ class JobConfig:
         for name in ("mixed_precision", "cpu_offload"):
             _check(self.scaling.use_gpu or not getattr(par, name), f"parallel.{name}",
                    getattr(par, name), "false when scaling.use_gpu is false (GPU-only FSDP option)")
-        _check(self.model.name == "gpt" or not par.activation_checkpointing,
+        family = get_family(self.model.name)
+        _check(family.has_blocks or not par.activation_checkpointing,
                "parallel.activation_checkpointing", par.activation_checkpointing,
-               f"false for model '{self.model.name}' (it checkpoints gpt blocks)")
+               f"false for model '{self.model.name}' (it has no repeated blocks to checkpoint)")
         task = self.model.task
+        if task == "lm":
+            _check(self.seq_len is not None, "data.seq_len", None,
+                   f"an integer >= 1 for the language model '{self.model.name}' (tokens per sample)")
+            limit = family.max_seq_len(self.model.kwargs)
+            _check(limit is None or self.seq_len <= limit, "data.seq_len", self.data.seq_len,
+                   f"at most {limit} (the context of model '{self.model.name}'), or null")
+        else:
+            _check(self.data.seq_len is None, "data.seq_len", self.data.seq_len,
+                   f"null for a {task} model (tokens per sample are for lm models)")
         if self.data.source == "text":
             _check(task == "lm", "data.source", "text",
                    f"a tabular source (parquet, synthetic) for a {task} model; text needs an lm model")
         elif self.data.source == "parquet":
             _check(task != "lm", "data.source", "parquet",
                    "'text' or 'synthetic' for an lm model (Parquet input is tabular)")
+
+    @property
+    def seq_len(self) -> int | None:
+        """Tokens of context per lm sample: ``data.seq_len``, else the model's own."""
+        if self.model.task != "lm":
+            return None
+        return self.data.seq_len or get_family(self.model.name).default_seq_len(self.model.kwargs)
 
     @classmethod
     def from_dict(cls, data: dict) -> "JobConfig":
@@ -411,6 +430,41 @@ class JobConfig:
                 f"({'GPU' if s.use_gpu else 'CPU'}); micro-batch {d.batch_size} x accum "
                 f"{t.grad_accum_steps} = global batch {global_batch}; {stop}; "
                 f"run dir {self.run.run_dir}")
+
+
+def _validate_parallel_dims(cfg: JobConfig) -> None:
+    """The checks that need several sections: sizes multiply to the workers, and the
+    model's family can split it that way. Each failure is one line naming the numbers."""
+    par, n = cfg.parallel, cfg.scaling.num_workers
+    tp, pp = par.tp_size, par.pp_size
+    _check(n % (tp * pp) == 0, "scaling.num_workers", n,
+           f"a multiple of parallel.tp_size ({tp}) x parallel.pp_size ({pp}) = {tp * pp} "
+           f"(data-parallel size = num_workers / (tp_size x pp_size) = {n}/{tp * pp} must be whole)")
+    if tp * pp == 1:
+        return
+    dp = n // (tp * pp)
+    stages = pp * PP_SCHEDULES[par.pp_schedule]
+    get_family(cfg.model.name).check_model_parallel(cfg.model.kwargs, tp=tp, pp=pp, stages=stages, pp_split=par.pp_split)
+    _check(tp == 1 or pp == 1, "parallel.pp_size", pp,
+           f"1 when parallel.tp_size is {tp} (TP x PP in one job is not supported; use one of them)")
+    _check(par.strategy != "ddp" or tp == 1 or dp == 1, "parallel.strategy", par.strategy,
+           f"'fsdp' for data parallel over tensor-parallel groups (tp_size {tp} x dp {dp}: TP x FSDP)")
+    _check(not par.activation_checkpointing, "parallel.activation_checkpointing", True,
+           f"false with tp_size {tp} / pp_size {pp} (supported with FSDP alone)")
+    if pp > 1:
+        _validate_pipeline(cfg)
+
+
+def _validate_pipeline(cfg: JobConfig) -> None:
+    par, batch = cfg.parallel, cfg.data.batch_size
+    micro = par.pp_microbatches or par.pp_size
+    _check(batch == "auto" or batch % micro == 0, "parallel.pp_microbatches", micro,
+           f"a divisor of data.batch_size ({batch}): each micro-batch is cut into equal pipeline chunks")
+    _check(par.pp_schedule == "gpipe" or micro >= par.pp_size, "parallel.pp_microbatches", micro,
+           f"at least parallel.pp_size ({par.pp_size}) for {par.pp_schedule}")
+    if par.pp_schedule == "interleaved_1f1b":
+        _check(micro % par.pp_size == 0, "parallel.pp_microbatches", micro,
+               f"a multiple of parallel.pp_size ({par.pp_size}) for interleaved_1f1b")
 
 
 def _section_dict(section: Any) -> dict:

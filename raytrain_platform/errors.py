@@ -6,7 +6,7 @@ layer turns them into a 4xx. Nothing here imports torch or Ray.
 
 from __future__ import annotations
 
-__all__ = ["UserError", "ConfigError", "DataError", "CheckpointError"]
+__all__ = ["UserError", "ConfigError", "DataError", "CheckpointError", "user_cause", "first_line"]
 
 
 class UserError(Exception):
@@ -36,3 +36,29 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing, partial, for another model, or unsafe to load."""
+
+
+def user_cause(exc: BaseException) -> UserError | None:
+    """A UserError raised inside a Ray worker arrives wrapped; find it."""
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen or e is None:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UserError):
+            return e
+        stack += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+        stack += list(getattr(e, "worker_failures", {}).values()) if isinstance(
+            getattr(e, "worker_failures", None), dict) else []
+    return None
+
+
+def first_line(exc: BaseException) -> str:
+    """The error a person needs: for worker failures, the last line of rank 0's traceback."""
+    failures = getattr(exc, "worker_failures", None)
+    if isinstance(failures, dict) and failures:
+        exc = failures[min(failures)]
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""

@@ -15,18 +15,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Collection
 
 import torch
 import yaml
 from torch import nn
 
 from raytrain_platform.config import JobConfig, load_config
-from raytrain_platform.core.checkpoint import WEIGHTS_FILE, read_state, read_weights, write_weights
+from raytrain_platform.core.checkpoint import WEIGHTS_FILE, read_state, read_weights, write_state
 from raytrain_platform.core.sharded import load_full_model_state
 from raytrain_platform.errors import CheckpointError, ConfigError
-from raytrain_platform.models import build_model
-from raytrain_platform.rundir import CONFIG_FILE, STATE_FILE, latest_checkpoint, write_json
+from raytrain_platform.models.registry import get_family
+from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE, latest_checkpoint, write_json
 
 __all__ = ["export_checkpoint", "load_model_for_inference", "EXPORT_INFO_FILE"]
 
@@ -62,14 +61,14 @@ def _read_export_info(directory: Path) -> dict:
         raise CheckpointError(f"{directory / EXPORT_INFO_FILE}: unreadable ({exc})") from None
 
 
-def load_model_for_inference(path: str | os.PathLike, *, models: Collection[str] | None = None
+def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False
                              ) -> tuple[nn.Module, JobConfig, dict]:
     """The model a run directory (its latest checkpoint), a checkpoint (sharded or not)
     or an export holds, its weights loaded without running code, in eval mode on the CPU.
 
     Returns ``(model, config, info)``; `info` holds ``source``, ``step``, ``metrics``,
-    ``sharded_source``, ``model`` (name, kwargs) and ``num_params``. With `models`, any
-    other ``model.name`` is refused before the model is built (no user code imported).
+    ``sharded_source``, ``model`` (name, kwargs, task) and ``num_params``. With `servable`,
+    a model its family cannot serve is refused before the model is built.
     A missing, partial or mismatched checkpoint is a `CheckpointError`.
 
     >>> model, cfg, info = load_model_for_inference("runs/quickstart")   # doctest: +SKIP
@@ -88,15 +87,20 @@ def load_model_for_inference(path: str | os.PathLike, *, models: Collection[str]
         step_metrics = {"step": state["state"]["step"], "metrics": state.get("metrics", {})}
         sharded = bool(state.get("sharded"))
     cfg = _load_job_config(ckpt)
-    if models is not None and cfg.model.name not in models:
-        raise CheckpointError(f"{ckpt}: model.name = {cfg.model.name!r}; expected one of {sorted(models)}")
+    family = get_family(cfg.model.name)
+    if servable:  # asked before the model is built: no user code imported for a refusal
+        try:
+            family.serving(cfg.model.kwargs, cfg.model.task)
+        except ConfigError as exc:
+            raise CheckpointError(f"{ckpt}: model.name = {cfg.model.name!r}: not servable "
+                                  f"(expected {exc.allowed})") from None
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)  # plain, on the CPU: the full tensors DCP fills in
+    model = family.build(cfg.model.kwargs)  # plain, on the CPU: the full tensors DCP fills in
     weights = load_full_model_state(ckpt, model) if sharded else read_weights(ckpt, model)
     model.load_state_dict(weights)  # names and shapes checked once more, against the model
     model.eval()
     info = {"source": str(ckpt.resolve()), **step_metrics, "sharded_source": sharded,
-            "model": {"name": cfg.model.name, "kwargs": cfg.model.kwargs},
+            "model": {"name": cfg.model.name, "kwargs": cfg.model.kwargs, "task": cfg.model.task},
             "num_params": sum(p.numel() for p in model.parameters())}
     return model, cfg, info
 
@@ -110,7 +114,9 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     ckpt = Path(info["source"])
     target = Path(out) if out is not None else ckpt.parent / "export"
     target.mkdir(parents=True, exist_ok=True)
-    write_weights(target / WEIGHTS_FILE, model, kind="export")
+    # The family's key names (the model's own for the built-ins and user models).
+    state = get_family(cfg.model.name).export_state_dict(model.state_dict(), cfg.model.kwargs)
+    write_state(target / WEIGHTS_FILE, state, kind="export")
     (target / CONFIG_FILE).write_text(cfg.to_yaml())
     write_json(target / EXPORT_INFO_FILE, info)
     return target

@@ -1,8 +1,11 @@
 """Turn a validated config into a runnable job: look at the data (sizes, columns)
-without reading it, fill in what the config left to the data (the MLP's input and
-output sizes), and check that the data can feed one optimizer step on every rank.
+without reading it, let the model's family fill in what the config left to the data
+(the MLP's input and output sizes) and check what it can before Ray starts (a user
+builder imports and returns a module), and check that the data can feed one
+optimizer step on every rank.
 
-Everything here happens before any Ray resource is requested; no torch, no Ray.
+Everything here happens before any Ray resource is requested; no Ray, and torch only
+for a user builder's check.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from raytrain_platform.config import JobConfig
+from raytrain_platform.data.dealing import whole_rounds
 from raytrain_platform.data.sources import DataInfo, SourceSpec, describe
 from raytrain_platform.errors import ConfigError, DataError
+from raytrain_platform.models.registry import get_family
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.plan.auto import Hardware, has_auto, local_hardware, resolve_auto
 
@@ -63,20 +68,8 @@ def val_rounds(job: ResolvedJob) -> int:
     """Whole rounds of one validation micro-batch per rank: every rank evaluates the
     same number of batches (resolve_job guarantees at least one round)."""
     cfg = job.config
-    return job.data.num_val // (cfg.data.batch_size * ParallelDims.from_config(cfg).dp)
-
-
-def _fill_mlp(cfg: JobConfig, info: DataInfo) -> JobConfig:
-    kw = cfg.model.kwargs
-    want_out = info.num_classes if kw["task"] == "classification" else 1
-    if kw["input_dim"] is not None and kw["input_dim"] != info.num_features:
-        raise ConfigError("model.kwargs.input_dim", kw["input_dim"],
-                          f"{info.num_features} (the number of feature columns in the data) or null")
-    if kw["num_outputs"] is not None and kw["task"] == "classification" and kw["num_outputs"] < want_out:
-        raise ConfigError("model.kwargs.num_outputs", kw["num_outputs"],
-                          f"at least {want_out} (the data has class indices up to {want_out - 1}) or null")
-    return cfg.replace({"model.kwargs.input_dim": info.num_features,
-                        "model.kwargs.num_outputs": kw["num_outputs"] or want_out})
+    return whole_rounds(job.data.num_val, batch_size=cfg.data.batch_size,
+                        world=ParallelDims.from_config(cfg).dp)
 
 
 def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJob:
@@ -84,11 +77,15 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
 
     ``auto`` fields are decided here, on `hardware` (the cluster's, from the launcher)
     or, without it, on this machine (plan/auto.py)."""
-    if cfg.model.name == "mlp" and cfg.data.source == "synthetic" and cfg.model.task == "lm":
-        raise ConfigError("model.name", "mlp", "gpt for lm data")
+    family = get_family(cfg.model.name)
     info = describe(SourceSpec.from_config(cfg))
-    if cfg.model.name == "mlp":
-        cfg = _fill_mlp(cfg, info)
+    kwargs = family.fill_from_data(cfg.model.kwargs, num_features=info.num_features,
+                                   num_classes=info.num_classes, task=cfg.model.task)
+    if kwargs != cfg.model.kwargs:
+        cfg = cfg.replace({"model.kwargs": kwargs})
+    # User builders: imported, called with their kwargs on the meta device (no memory).
+    family.precheck(cfg.model.kwargs, block_class=cfg.model.block_class,
+                    needs_blocks=cfg.parallel.activation_checkpointing)
     notes: list[str] = []
     if has_auto(cfg):
         cfg, notes = resolve_auto(cfg, hardware or local_hardware(cfg))

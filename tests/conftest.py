@@ -27,6 +27,15 @@ def mlp_config(tmp: Path, name: str, **sections) -> dict:
     return cfg
 
 
+def assert_losses_close(actual: list[float], expected: list[float], *, rtol: float, atol: float = 1e-6) -> None:
+    """Two loss curves equal step by step within `rtol` (relative) + `atol`, lengths first."""
+    import torch
+
+    assert len(actual) == len(expected), (len(actual), len(expected))
+    torch.testing.assert_close(torch.tensor(actual, dtype=torch.float64),
+                               torch.tensor(expected, dtype=torch.float64), rtol=rtol, atol=atol)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for torchrun's rendezvous)."""
     import socket

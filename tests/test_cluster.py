@@ -22,7 +22,7 @@ import yaml
 
 from conftest import ROOT, mlp_config, stop_group, torchrun_metrics, wait_for
 from test_fsdp import gpt_config
-from raytrain_platform.rundir import latest_checkpoint, list_checkpoints
+from raytrain_platform.core.rundir import latest_checkpoint, list_checkpoints
 
 # Outside the default run (about 7 minutes here, plus ~2 for the TP placement run; the CI suite
 # keeps under 20): run with

@@ -13,7 +13,7 @@ from conftest import ROOT, free_port
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.models.specs import GPTSpec, MLPSpec
 from raytrain_platform.plan import Layout, estimate_memory, generic_shape, gpt_shape, make_plan, mlp_shape, preset_shape
-from raytrain_platform.plan.measure import measure
+from raytrain_platform.tools.measure_memory import measure
 from raytrain_platform.plan.memory import RankPart, rank_part, rank_params
 
 GB, GIB = 10**9, 2**30
@@ -95,7 +95,7 @@ def distributed_runs() -> dict[tuple[str, str], list[dict]]:
     each layout built by parallel/registry.py `parallelize`, one real step."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "raytrain_platform.plan.measure", "--model", "gpt", "mlp", "--kwargs", json.dumps(GPT_MP),
+           "-m", "raytrain_platform.tools.measure_memory", "--model", "gpt", "mlp", "--kwargs", json.dumps(GPT_MP),
            "--parallel", json.dumps(list(LAYOUTS.values()))]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -24,7 +24,7 @@ from raytrain_platform.data.local import LocalBatches
 from raytrain_platform.errors import UserError
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.resolve import resolve_job
-from raytrain_platform.rundir import CONFIG_FILE, checkpoint_name, latest_checkpoint, prune_checkpoints
+from raytrain_platform.core.rundir import CONFIG_FILE, checkpoint_name, latest_checkpoint, prune_checkpoints
 
 
 class LocalReporter:

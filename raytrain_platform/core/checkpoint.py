@@ -26,10 +26,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from raytrain_platform.errors import CheckpointError
-from raytrain_platform.rundir import CONFIG_FILE, STATE_FILE, write_json
+from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE, write_json
 
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "read_state", "load_model_weights",
-           "read_weights", "write_weights", "WEIGHTS_FILE", "OPTIM_FILE"]
+           "read_weights", "write_weights", "write_state", "WEIGHTS_FILE", "OPTIM_FILE"]
 
 WEIGHTS_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.pt"
@@ -83,7 +83,12 @@ def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
 
 def write_weights(path: str | os.PathLike, model: torch.nn.Module, **metadata: str) -> None:
     """`model`'s full state as safetensors (plain tensors: loading it runs no code)."""
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    write_state(path, model.state_dict(), **metadata)
+
+
+def write_state(path: str | os.PathLike, state: dict[str, torch.Tensor], **metadata: str) -> None:
+    """A full state dict as safetensors."""
+    weights = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(weights, str(path), metadata={"format": "raytrain_platform", **metadata})
 
 

@@ -21,15 +21,15 @@ import torch
 
 from raytrain_platform.core.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
-from raytrain_platform.core.memory import state_bytes
 from raytrain_platform.core.optim import build_optimizer, lr_at
 from raytrain_platform.core.profile import StepProfiler
-from raytrain_platform.models import build_model
+from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.tasks import get_task
+from raytrain_platform.parallel.compose import parallelize
 from raytrain_platform.parallel.dims import ParallelDims
-from raytrain_platform.parallel.registry import parallelize
+from raytrain_platform.parallel.memory import state_bytes
 from raytrain_platform.resolve import ResolvedJob
-from raytrain_platform.rundir import MetricsLog
+from raytrain_platform.core.rundir import MetricsLog
 
 __all__ = ["BatchSource", "Reporter", "Engine", "run_training"]
 
@@ -70,10 +70,13 @@ class Engine:
         self.job, self.cfg, self.env = job, job.config, env
         self.run_dir = run_dir
         self.profiler = profiler  # `rtp doctor`'s measured runs (core/profile.py)
-        self.task = get_task(self.cfg.model.task)
+        m = self.cfg.model
+        self.family = get_family(m.name)
+        self.task = get_task(m.task, m.name)
         torch.manual_seed(self.cfg.train.seed)  # identical initial weights on every rank
-        model = build_model(self.cfg.model).to(env.device)
-        self.par = parallelize(model, env=env, cfg=self.cfg.parallel)
+        model = self.family.build(m.kwargs).to(env.device)
+        self.par = parallelize(model, env=env, cfg=self.cfg.parallel, family=self.family,
+                               model_kwargs=m.kwargs, block_class=m.block_class)
         # Data-parallel coordinates: ranks of one TP/PP group read the same micro-batches.
         dims = ParallelDims.from_config(self.cfg)
         self.data_world, self.data_rank = dims.dp, dims.data_rank(env.rank)

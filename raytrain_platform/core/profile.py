@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raytrain_platform.rundir import write_json
+from raytrain_platform.core.rundir import write_json
 
 __all__ = ["StepProfiler", "PROFILE_FILE", "duplicate_samples"]
 

@@ -1,17 +1,16 @@
-"""A Ray-free reader for the torchrun core: the same sources, order and sharding
-rule as the Ray Data pipeline (micro-batch ``j`` of an epoch goes to rank
-``j % world``; only whole rounds of one micro-batch per rank are dealt)."""
+"""A Ray-free reader for the torchrun core: the same sources, order and dealing rule
+as the Ray Data pipeline (data/dealing.py)."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from raytrain_platform.data import sources
+from raytrain_platform.data.dealing import deal, whole_rounds
 from raytrain_platform.data.sources import SourceSpec
-from raytrain_platform.resolve import ResolvedJob, val_rounds
 
 __all__ = ["LocalBatches"]
 
@@ -35,27 +34,26 @@ def _rebatch(pieces: Iterator[dict[str, np.ndarray]], batch: int) -> Iterator[di
 
 
 class LocalBatches:
-    """`BatchSource` over the source files directly (used under torchrun)."""
+    """`BatchSource` over the source files directly (used under torchrun), for a
+    `ResolvedJob` (its config and data sizes)."""
 
-    def __init__(self, job: ResolvedJob, *, rank: int, world_size: int):
+    def __init__(self, job: Any, *, rank: int, world_size: int):
         self.job, self.rank, self.world = job, rank, world_size
         self.spec = SourceSpec.from_config(job.config)
         self.batch = job.config.data.batch_size
 
-    def _strided(self, split: str, limit_rounds: int | None, *,
-                 world: int) -> Iterator[dict[str, torch.Tensor]]:
+    def _dealt(self, split: str, rounds: int, *, world: int) -> Iterator[dict[str, torch.Tensor]]:
         stream = _rebatch(sources.iter_source(self.spec, split, self.job.data.feature_columns),
                           self.batch)
-        for j, b in enumerate(stream):
-            if limit_rounds is not None and j >= limit_rounds * world:
-                return
-            if j % world == self.rank % world:
-                yield {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in b.items()}
+        for b in deal(stream, rank=self.rank % world, world=world, rounds=rounds):
+            yield {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in b.items()}
 
     def train_epoch(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         # Unsplit (data.split_across_workers false): every rank reads every micro-batch.
         world = self.world if self.job.config.data.split_across_workers else 1
-        return self._strided("train", self.job.data.num_train // (world * self.batch), world=world)
+        return self._dealt("train", whole_rounds(self.job.data.num_train, batch_size=self.batch, world=world),
+                           world=world)
 
     def val_batches(self, n: int) -> list[dict[str, torch.Tensor]]:
-        return list(self._strided("val", min(n, val_rounds(self.job)), world=self.world))
+        rounds = whole_rounds(self.job.data.num_val, batch_size=self.batch, world=self.world)
+        return list(self._dealt("val", min(n, rounds), world=self.world))

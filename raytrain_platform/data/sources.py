@@ -68,7 +68,7 @@ class SourceSpec:
     kind: str  # text | synthetic | parquet
     task: str  # lm | classification | regression
     val_fraction: float
-    seq_len: int = 0  # lm: tokens per sample (block_size + 1)
+    seq_len: int = 0  # lm: tokens per sample (data.seq_len + 1)
     path: str | None = None
     val_path: str | None = None
     glob: str = "**/*.py"
@@ -84,7 +84,7 @@ class SourceSpec:
     @classmethod
     def from_config(cls, cfg: "JobConfig") -> "SourceSpec":
         d, m = cfg.data, cfg.model
-        seq_len = m.kwargs.get("block_size", 0) + 1 if m.task == "lm" else 0
+        seq_len = cfg.seq_len + 1 if m.task == "lm" else 0  # + 1: targets are inputs shifted by one
         return cls(kind=d.source, task=m.task, val_fraction=d.val_fraction, seq_len=seq_len,
                    path=d.path, val_path=d.val_path, glob=d.glob, max_files=d.max_files,
                    num_samples=d.num_samples, num_features=d.num_features,

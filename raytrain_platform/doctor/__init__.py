@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_platform.doctor.checks import THRESHOLDS, Finding, RunStats, diagnose, scaling_efficiency
-from raytrain_platform.rundir import write_json
+from raytrain_platform.core.rundir import write_json
 
 __all__ = ["doctor", "DoctorReport", "format_report", "DOCTOR_FILE", "DOCTOR_PLOT"]
 

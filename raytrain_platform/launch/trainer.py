@@ -18,7 +18,7 @@ from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.plan.auto import Hardware, cpu_hardware, has_auto
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.resolve import ResolvedJob, resolve_job
-from raytrain_platform.rundir import (CONFIG_FILE, SUMMARY_FILE, best_checkpoint, latest_checkpoint,
+from raytrain_platform.core.rundir import (CONFIG_FILE, SUMMARY_FILE, best_checkpoint, latest_checkpoint,
                                       plot_run, prune_checkpoints, read_metrics, write_json)
 
 __all__ = ["TrainResult", "train", "run_job", "prepare", "init_ray", "cluster_hardware", "format_progress"]

@@ -10,20 +10,20 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable
 
 import torch
 
 from raytrain_platform.core.dist import DistEnv
 from raytrain_platform.core.engine import run_training
+from raytrain_platform.data.dealing import deal
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.core.profile import StepProfiler
 from raytrain_platform.resolve import ResolvedJob, val_rounds
-from raytrain_platform.rundir import checkpoint_name, write_json
+from raytrain_platform.core.rundir import checkpoint_name, write_json
 
-__all__ = ["train_loop_per_worker", "deal"]
+__all__ = ["train_loop_per_worker"]
 
-T = TypeVar("T")
 
 
 def _as_tensors(batch: dict) -> dict[str, torch.Tensor]:
@@ -31,20 +31,6 @@ def _as_tensors(batch: dict) -> dict[str, torch.Tensor]:
         # Arrow-backed arrays are read-only; the engine never writes into a batch.
         warnings.simplefilter("ignore", UserWarning)
         return {k: torch.from_numpy(v) for k, v in batch.items()}
-
-
-def deal(batches: Iterable[T], *, rank: int, world: int, rounds: int) -> Iterator[T]:
-    """Micro-batch ``j`` of `batches` goes to data-parallel rank ``j % world``; only
-    `rounds` whole rounds are dealt.
-
-    >>> list(deal(range(7), rank=1, world=2, rounds=3))
-    [1, 3, 5]
-    """
-    for j, batch in enumerate(batches):
-        if j >= rounds * world:
-            return
-        if j % world == rank:
-            yield batch
 
 
 class RayBatches:

@@ -1,19 +1,17 @@
 """Hyperparameters of the built-in models, as plain dataclasses (no torch here).
 
-The config layer validates ``model.kwargs`` against these before anything starts.
+Their families (models/builtin.py) validate ``model.kwargs`` against these before
+anything starts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Union
 
 from raytrain_platform.errors import ConfigError
 
-__all__ = ["GPTSpec", "MLPSpec", "BUILTIN_MODELS", "MODEL_TASKS", "resolve_model_kwargs"]
-
-MODEL_TASKS = ("classification", "regression", "lm")
+__all__ = ["GPTSpec", "MLPSpec"]
 
 
 @dataclass
@@ -81,23 +79,3 @@ class MLPSpec:
                               "a list of integers >= 1")
         if not (0.0 <= self.dropout < 1.0):
             raise ConfigError("model.kwargs.dropout", self.dropout, "a number in [0, 1)")
-
-
-BUILTIN_MODELS: dict[str, type] = {"gpt": GPTSpec, "mlp": MLPSpec}
-
-
-def resolve_model_kwargs(name: str, kwargs: Any) -> dict:
-    """Defaults filled in and every key checked; raises `ConfigError` naming the key."""
-    spec_cls = BUILTIN_MODELS[name]
-    if not isinstance(kwargs, dict):
-        raise ConfigError("model.kwargs", kwargs, "a mapping")
-    allowed = [f.name for f in dataclasses.fields(spec_cls)]
-    for key in kwargs:
-        if key not in allowed:
-            raise ConfigError(f"model.kwargs.{key}", kwargs[key],
-                              f"no such key for model {name}; keys are {allowed}")
-    spec = spec_cls(**kwargs)
-    if isinstance(spec, GPTSpec) and isinstance(spec.dropout, int) and not isinstance(spec.dropout, bool):
-        spec.dropout = float(spec.dropout)
-    spec.validate()
-    return dataclasses.asdict(spec)

@@ -1,35 +1,53 @@
-"""What a batch means for each kind of model: inputs, targets, loss and eval metrics.
+"""What a batch means for each task: inputs, targets, loss and eval metrics.
 
-A batch is a dict of tensors: ``{"tokens": (B, T+1) int64}`` for language models,
+A batch is a dict of tensors: ``{"tokens": (B, T+1)}`` for language models (bytes, or
+token ids), with an optional ``"loss_mask": (B, T+1)`` (1 where a token is a target the
+loss counts: completion and assistant tokens of instruction data), and
 ``{"x": (B, F) float32, "y": (B,)}`` for tabular; both carry ``"sample_id": (B,)``.
+A model's forward output becomes logits through its family (`ModelFamily.logits`):
+a tensor, or a Hugging Face-style output with ``.logits``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Task", "get_task"]
+from raytrain_platform.models.family import logits_of
+
+__all__ = ["Task", "get_task", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100  # a target the loss skips (cross_entropy's default ignore_index)
 
 
 @dataclass(frozen=True)
 class Task:
     name: str
+    model: str = ""  # model.name, for the message when an output has no logits
 
     def split(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.name == "lm":
             tokens = batch["tokens"]
-            return tokens[:, :-1], tokens[:, 1:]  # (B, T) inputs, (B, T) next-token targets
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) inputs, (B, T) next tokens
+            mask = batch.get("loss_mask")
+            if mask is not None:  # prompt tokens are context, not targets
+                targets = targets.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+            return inputs, targets
         return batch["x"], batch["y"]
 
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss over the micro-batch (over tokens for lm), in fp32."""
-        outputs = outputs.float()
+    def logits(self, outputs: Any) -> torch.Tensor:
+        return logits_of(outputs, self.model)
+
+    def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss over the micro-batch (over counted tokens for lm), in fp32."""
+        outputs = self.logits(outputs).float()
         if self.name == "lm":
-            return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
+            return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1),
+                                   ignore_index=IGNORE_INDEX)
         if self.name == "classification":
             return F.cross_entropy(outputs, targets)
         return F.mse_loss(outputs, targets.float())
@@ -38,14 +56,15 @@ class Task:
         """Tokens per sample for lm (what tokens/s counts), 1 otherwise."""
         return batch["tokens"].shape[1] - 1 if self.name == "lm" else 1
 
-    def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def eval_sums(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """[loss sum, count, correct] for one batch; summed over batches and ranks."""
-        outputs = outputs.float()
+        outputs = self.logits(outputs).float()
         if self.name == "lm":
             flat, tgt = outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1)
-            loss_sum = F.cross_entropy(flat, tgt, reduction="sum")
-            correct = (flat.argmax(-1) == tgt).sum()
-            return torch.stack([loss_sum, torch.tensor(float(tgt.numel())), correct.float()])
+            counted = tgt != IGNORE_INDEX
+            loss_sum = F.cross_entropy(flat, tgt, reduction="sum", ignore_index=IGNORE_INDEX)
+            correct = ((flat.argmax(-1) == tgt) & counted).sum()
+            return torch.stack([loss_sum, counted.sum().float(), correct.float()])
         if self.name == "classification":
             loss_sum = F.cross_entropy(outputs, targets, reduction="sum")
             correct = (outputs.argmax(-1) == targets).sum()
@@ -66,5 +85,6 @@ class Task:
         return metrics
 
 
-def get_task(name: str) -> Task:
-    return Task(name)
+def get_task(name: str, model: str = "") -> Task:
+    return Task(name, model)
+

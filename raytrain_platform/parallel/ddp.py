@@ -7,15 +7,14 @@ With gradient accumulation the engine runs every micro-step but the last inside
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_platform.parallel.base import CommCounter, Parallelized
+from raytrain_platform.parallel.grads import allreduce_grads
 
 __all__ = ["apply_ddp"]
 
@@ -25,25 +24,13 @@ def _counting_allreduce(counter, bucket):  # no annotations: DDP inspects them
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def allreduce_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Average the gradients over ranks in one flat all-reduce: what DDP computes, done
-    after backward instead of overlapped with it (the doctor times it this way)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    with torch.no_grad():
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
-
-
-def apply_ddp(model: nn.Module, *, env, cfg, mesh: DeviceMesh | None = None) -> Parallelized:
+def apply_ddp(model: nn.Module, *, env, cfg, mesh: DeviceMesh | None = None,
+              blocks: list[tuple[str, nn.Module]] = ()) -> Parallelized:
     """Wrap `model` (already on its device) in DDP over the default process group, or
     over the data-parallel `mesh` (a 1-D sub-mesh) when pipeline stages divide the ranks.
 
-    Without a process group (a plain single-process run) there is nothing to sync."""
+    Without a process group (a plain single-process run) there is nothing to sync.
+    DDP buckets gradients by size, not by block: `blocks` is not used."""
     if not dist.is_initialized():
         return Parallelized(module=model, base=model, sync_grads=lambda: None)
     ddp = DistributedDataParallel(

@@ -3,16 +3,18 @@
 Each rank keeps 1/world of every parameter, gradient and optimizer state (as
 DTensor shards). A unit's full parameters are all-gathered just before its
 forward and backward; its gradients are reduce-scattered after its backward.
-For `gpt` each transformer block is its own unit, then the root (embeddings,
-final norm, LM head), so besides the root only the running block (and the next,
-prefetched) is ever gathered in full.
+Each of the model's repeated blocks (its family's `blocks`: gpt's transformer blocks,
+a Llama's decoder layers) is its own unit, then the root (embeddings, final norm, LM
+head), so besides the root only the running block (and the next, prefetched) is ever
+gathered in full.
 
 Gradient accumulation: ``no_sync()`` maps to ``set_requires_gradient_sync(False)``,
 so non-final micro-steps accumulate unsharded local gradients and skip the
 reduce-scatter; the final micro-step reduces the sum once. ``comm`` counts the
 reduce-scatters that really run (a counting subclass of FSDP's own collective).
 
-Order of techniques follows torchtitan: (TP), activation checkpointing, (compile), FSDP.
+Order of techniques follows torchtitan (parallel/compose.py): (TP), activation
+checkpointing, (compile), FSDP.
 
 Run it (Ray absent)::
 
@@ -27,7 +29,6 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -38,7 +39,7 @@ except ImportError:  # pragma: no cover - older/newer torch
 
 from raytrain_platform.parallel.base import CommCounter, Parallelized
 
-__all__ = ["apply_fsdp", "shard_units"]
+__all__ = ["apply_fsdp"]
 
 
 class _CountingReduceScatter(DefaultReduceScatter or object):  # type: ignore[misc]
@@ -53,45 +54,25 @@ class _CountingReduceScatter(DefaultReduceScatter or object):  # type: ignore[mi
         return super().__call__(*args, **kwargs)
 
 
-def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The sub-modules sharded as their own units: a model's ``blocks`` (gpt), else none."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
-        return list(blocks.named_children())
-    return []
-
-
-def _apply_activation_checkpointing(model: nn.Module) -> None:
-    # checkpoint_wrapper keeps state_dict keys unchanged (its hooks strip the wrapper prefix).
-    blocks = model.blocks  # type: ignore[attr-defined]
-    for name, block in list(blocks.named_children()):
-        # preserve_rng_state: the recomputed forward draws the same dropout masks.
-        wrapped = checkpoint_wrapper(block, preserve_rng_state=True)
-        if isinstance(blocks, nn.ModuleDict):
-            blocks[name] = wrapped
-        else:
-            blocks[int(name)] = wrapped
-
-
-def apply_fsdp(model: nn.Module, *, env, cfg, mesh: DeviceMesh | None = None) -> Parallelized:
+def apply_fsdp(model: nn.Module, *, env, cfg, mesh: DeviceMesh | None = None,
+               blocks: list[tuple[str, nn.Module]] = ()) -> Parallelized:
     """Shard `model` (already on its device) across all ranks with FSDP2, or across the
-    data-parallel `mesh` (a 1-D sub-mesh) when TP/PP divide the ranks (parallel/mesh.py).
+    data-parallel `mesh` (a 1-D sub-mesh) when TP/PP divide the ranks (parallel/mesh.py):
+    each of `blocks` as its own unit, then the root.
 
     `cfg` is the `ParallelConfig`: ``mixed_precision`` (bf16 params, fp32 reduction),
-    ``reshard_after_forward``, ``cpu_offload``, ``activation_checkpointing``."""
+    ``reshard_after_forward``, ``cpu_offload``."""
     if mesh is None:  # FSDP alone: every rank is data parallel
         from raytrain_platform.parallel.mesh import data_parallel_mesh
 
         mesh = data_parallel_mesh(env)
-    if cfg.activation_checkpointing:
-        _apply_activation_checkpointing(model)
     options: dict = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
     if cfg.mixed_precision:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                     reduce_dtype=torch.float32)
     if cfg.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
-    for _, unit in shard_units(model):
+    for _, unit in blocks:
         fully_shard(unit, **options)
     fully_shard(model, **options)
     counter = CommCounter()

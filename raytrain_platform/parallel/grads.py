@@ -1,4 +1,7 @@
-"""Global gradient-norm clipping when parameters live on several meshes.
+"""Gradient helpers shared by the strategies: global gradient-norm clipping when
+parameters live on several meshes, and one flat all-reduce of a replica's gradients.
+
+Clipping.
 
 Under TP, TP x FSDP and PP a model's gradients are a mix: DTensors on the TP mesh,
 on the 2-D (dp, tp) mesh, on the dp mesh, and plain replicated tensors; a pipeline
@@ -14,9 +17,11 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-__all__ = ["clip_grad_norm"]
+__all__ = ["clip_grad_norm", "allreduce_grads"]
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
@@ -45,3 +50,17 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
     for g in grads:
         g.mul_(coef.to(g.dtype) if not isinstance(g, DTensor) else float(coef))
     return float(total)
+
+
+def allreduce_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Average the gradients over ranks in one flat all-reduce: what DDP computes, done
+    after backward instead of overlapped with it (the doctor times it this way)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    with torch.no_grad():
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)

@@ -1,5 +1,6 @@
-"""Pipeline parallelism for `gpt` with ``torch.distributed.pipelining``, then DDP or
-FSDP over the data-parallel dimension (PP x DP).
+"""Pipeline parallelism with ``torch.distributed.pipelining``, split where the model's
+family says (`PipelineLayout`: gpt's blocks, embeddings first, norm and head last),
+then DDP or FSDP over the data-parallel dimension (PP x DP, parallel/compose.py).
 
 The blocks are split into stages (balanced by block count, or ``pp_split``); stage 0
 also holds the embeddings, the last stage the final norm and LM head. Each rank keeps
@@ -31,33 +32,33 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from raytrain_platform.parallel.base import CommCounter, Parallelized
-from raytrain_platform.parallel.ddp import allreduce_grads
 from raytrain_platform.parallel.dims import PP_SCHEDULES, stage_blocks
-from raytrain_platform.parallel.grads import clip_grad_norm
+from raytrain_platform.parallel.grads import allreduce_grads, clip_grad_norm
+from raytrain_platform.models.family import PipelineLayout
 
 __all__ = ["apply_pp", "PipelineRunner"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _prune(model: nn.Module, blocks: range, *, first: bool, last: bool) -> nn.Module:
-    """`model` (a GPT) keeping only `blocks` (original names) and the ends it owns."""
-    for name in list(model.blocks):  # type: ignore[attr-defined]
+def _prune(model: nn.Module, layout: PipelineLayout, blocks: range, *, first: bool, last: bool) -> nn.Module:
+    """`model` keeping only `blocks` (original names) and the ends it owns."""
+    container = getattr(model, layout.blocks)
+    for name in list(container):
         if int(name) not in blocks:
-            del model.blocks[name]  # type: ignore[attr-defined]
-    if not first:
-        model.wte = model.wpe = None
-    if not last:
-        model.ln_f = model.lm_head = None
+            del container[name]
+    for attr in (() if first else layout.first) + (() if last else layout.last):
+        setattr(model, attr, None)
     return model
 
 
-def _merge(parts: list[nn.Module]) -> nn.Module:
+def _merge(parts: list[nn.Module], layout: PipelineLayout) -> nn.Module:
     """One module holding every local stage's parts under their original names: what
     the optimizer steps and the checkpoint saves (``blocks.5.attn...``, as unsplit)."""
     holder = nn.Module()
-    holder.blocks = nn.ModuleDict({k: b for p in parts for k, b in p.blocks.items()})  # type: ignore[attr-defined]
-    for attr in ("wte", "wpe", "ln_f", "lm_head"):
+    setattr(holder, layout.blocks, nn.ModuleDict(
+        {k: b for p in parts for k, b in getattr(p, layout.blocks).items()}))
+    for attr in layout.first + layout.last:
         owned = [getattr(p, attr) for p in parts if getattr(p, attr) is not None]
         if owned:
             setattr(holder, attr, owned[0])
@@ -133,38 +134,29 @@ def _schedule(name: str, stages: list[PipelineStage], n_chunks: int, loss_fn: Lo
     return cls(stages[0], n_chunks, loss_fn=loss_fn, scale_grads=False)
 
 
-def _data_parallel(part: nn.Module, *, env, cfg, mesh: DeviceMesh) -> Parallelized:
-    """FSDP over the dp mesh; or for 'ddp', a replica whose gradients `PipelineRunner`
-    all-reduces over the dp group once per optimizer step (a stage wrapped in
-    DistributedDataParallel hung in its first p2p exchange under gloo, torch 2.13)."""
-    if mesh["dp"].size() > 1 and cfg.strategy == "fsdp":
-        from raytrain_platform.parallel.fsdp import apply_fsdp
-
-        return apply_fsdp(part, env=env, cfg=cfg, mesh=mesh["dp"])
-    return Parallelized(module=part, base=part)
-
-
-def apply_pp(model: nn.Module, *, env, cfg, mesh: DeviceMesh) -> Parallelized:
-    """This rank's stage(s) of `model`, data-parallel over ``mesh["dp"]``, and the
-    schedule that runs them (`Parallelized.pipeline`)."""
+def apply_pp(model: nn.Module, *, env, cfg, mesh: DeviceMesh, layout: PipelineLayout,
+             data_parallel: Callable[[nn.Module], Parallelized]) -> Parallelized:
+    """This rank's stage(s) of `model` (split by its family's `layout`), each made data
+    parallel over ``mesh["dp"]`` by `data_parallel`, and the schedule that runs them
+    (`Parallelized.pipeline`)."""
     pp_mesh = mesh["pp"]
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     per_rank = PP_SCHEDULES[cfg.pp_schedule]
     n_stages = pp * per_rank
-    ranges = stage_blocks(len(model.blocks), n_stages, cfg.pp_split)  # type: ignore[arg-type]
+    ranges = stage_blocks(len(getattr(model, layout.blocks)), n_stages, cfg.pp_split)
     stage_ids = [rank + k * pp for k in range(per_rank)]  # looped: rank r holds r, r + pp, ...
     parts = []
     for sid in stage_ids:
         part = model if per_rank == 1 else copy.deepcopy(model)
-        parts.append(_prune(part, ranges[sid], first=sid == 0, last=sid == n_stages - 1))
-    wrapped = [_data_parallel(p, env=env, cfg=cfg, mesh=mesh) for p in parts]
+        parts.append(_prune(part, layout, ranges[sid], first=sid == 0, last=sid == n_stages - 1))
+    wrapped = [data_parallel(p) for p in parts]
     stages = [PipelineStage(w.module, sid, n_stages, env.device, group=pp_mesh.get_group())
               for w, sid in zip(wrapped, stage_ids)]
     chunks = cfg.pp_microbatches or pp
     runner = PipelineRunner(None, chunks=chunks, has_first=0 in stage_ids,
                             has_last=n_stages - 1 in stage_ids, device=env.device)
     runner.schedule = _schedule(cfg.pp_schedule, stages, chunks, runner.chunk_loss)
-    holder = parts[0] if per_rank == 1 else _merge(parts)
+    holder = parts[0] if per_rank == 1 else _merge(parts, layout)
     comm = wrapped[0].comm if per_rank == 1 else _SummedCounter([w.comm for w in wrapped])
     if mesh["dp"].size() > 1 and cfg.strategy == "ddp":
         runner.grad_sync = _counted_allreduce(holder, mesh["dp"].get_group(), comm)

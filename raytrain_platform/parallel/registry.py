@@ -15,13 +15,13 @@ from typing import Callable, Union
 
 from raytrain_platform.errors import ConfigError
 
-__all__ = ["Strategy", "STRATEGIES", "MODEL_PARALLEL", "strategy_names", "get_strategy", "parallelize"]
+__all__ = ["Strategy", "STRATEGIES", "strategy_names", "get_strategy"]
 
 
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    target: str  # "module:function" of the keyword-only apply_* function
+    target: str  # "module:function" of the keyword-only apply_*(model, *, env, cfg, blocks, ...)
     min_workers: int = 1
     max_workers: Union[int, None] = None
     shards_state: bool = False  # True when each rank holds only part of the model state
@@ -52,14 +52,6 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-# Model-parallel layers, added by ``parallel.tp_size`` / ``parallel.pp_size`` under the
-# data-parallel strategy above (which then spans num_workers / (tp x pp) ranks).
-MODEL_PARALLEL: dict[str, str] = {
-    "tp": "raytrain_platform.parallel.tp:apply_tp",
-    "pp": "raytrain_platform.parallel.pp:apply_pp",
-}
-
-
 def strategy_names() -> list[str]:
     return sorted(STRATEGIES)
 
@@ -68,19 +60,3 @@ def get_strategy(name: str) -> Strategy:
     if name not in STRATEGIES:
         raise ConfigError("parallel.strategy", name, f"one of {strategy_names()}")
     return STRATEGIES[name]
-
-
-def parallelize(model, *, env, cfg):
-    """`model` -> `Parallelized` for a `ParallelConfig`: the strategy alone, or (tp/pp)
-    the mesh built once (parallel/mesh.py) and handed to the model-parallel layer,
-    which applies the strategy over the mesh's data-parallel dimension."""
-    if cfg.tp_size * cfg.pp_size == 1:
-        return get_strategy(cfg.strategy).load()(model, env=env, cfg=cfg)
-    from raytrain_platform.parallel.dims import ParallelDims
-    from raytrain_platform.parallel.mesh import build_mesh
-
-    dims = ParallelDims(dp=env.world_size // (cfg.tp_size * cfg.pp_size), tp=cfg.tp_size,
-                        pp=cfg.pp_size)
-    module, _, fn = MODEL_PARALLEL["pp" if cfg.pp_size > 1 else "tp"].partition(":")
-    apply = getattr(importlib.import_module(module), fn)
-    return apply(model, env=env, cfg=cfg, mesh=build_mesh(env, dims))

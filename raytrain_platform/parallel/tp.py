@@ -1,7 +1,8 @@
-"""Tensor parallelism for `gpt` with DTensor (``parallelize_module``), Megatron-style,
-then optionally FSDP over the data-parallel dimension of the same mesh (TP x FSDP).
+"""Tensor parallelism with DTensor (``parallelize_module``), Megatron-style, by the
+plan a model's family declares (models/family.py); parallel/compose.py then puts FSDP
+over the data-parallel dimension of the same mesh (TP x FSDP).
 
-Per block: q/k/v and the MLP up-projection are column-wise (each rank computes
+For gpt, per block: q/k/v and the MLP up-projection are column-wise (each rank computes
 n_head / tp whole heads and 4d / tp hidden units, no communication), the attention
 output and MLP down-projection are row-wise (partial sums, one all-reduce each in
 forward, one in backward). Embeddings are split by rows (vocabulary / positions), the
@@ -27,10 +28,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
-from raytrain_platform.parallel.base import Parallelized
-from raytrain_platform.parallel.grads import clip_grad_norm
 
-__all__ = ["apply_tp", "gpt_tp_plan"]
+__all__ = ["apply_tp", "tp_styles"]
 
 
 class ReplicateParams(ParallelStyle):
@@ -46,32 +45,31 @@ class ReplicateParams(ParallelStyle):
             output_fn=lambda mod, output, mesh: output.to_local())
 
 
-def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool) -> dict:
-    """The `parallelize_module` plan for `models.gpt.GPT`, by module FQN."""
+def _style(kind: str, *, sequence_parallel: bool) -> ParallelStyle | None:
+    """The DTensor style of one entry of a family's plan (models/family.py `TP_KINDS`)."""
     sp = sequence_parallel
     between = Shard(1) if sp else Replicate()  # layout of the residual stream (B, T, d)
-    plan: dict = {
-        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        # (T, d): with SP, rows of positions go to the rank holding those tokens.
-        "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate()),
-        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
-    }
-    norm = SequenceParallel() if sp else ReplicateParams()
-    plan["ln_f"] = norm
-    for name in model.blocks:  # type: ignore[attr-defined]
-        p = f"blocks.{name}."
-        plan.update({
-            p + "attn.q_proj": ColwiseParallel(), p + "attn.k_proj": ColwiseParallel(),
-            p + "attn.v_proj": ColwiseParallel(),
-            p + "attn.o_proj": RowwiseParallel(output_layouts=between),
-            p + "mlp.up_proj": ColwiseParallel(),
-            p + "mlp.down_proj": RowwiseParallel(output_layouts=between),
-        })
-        plan.update({p + "ln_1": norm, p + "ln_2": norm})
-        if sp:  # norms on sequence shards; attention and MLP gather the full sequence
-            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            plan.update({p + "attn": gather, p + "mlp": gather})
-    return plan
+    if kind == "colwise":
+        return ColwiseParallel()
+    if kind == "rowwise":
+        return RowwiseParallel(output_layouts=between)
+    if kind == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if kind == "position_embedding":  # (T, d): with SP, rows of positions go with their tokens
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate())
+    if kind == "head":
+        return ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+    if kind == "norm":
+        return SequenceParallel() if sp else ReplicateParams()
+    if kind == "sequence_gather":  # norms on sequence shards; attention and MLP see all of it
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) if sp else None
+    raise ValueError(f"unknown tensor-parallel kind {kind!r}")  # a bug in a family's plan
+
+
+def tp_styles(plan: dict[str, str], *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """A family's plan (FQN -> kind) as the `parallelize_module` plan."""
+    styles = {fqn: _style(kind, sequence_parallel=sequence_parallel) for fqn, kind in plan.items()}
+    return {fqn: style for fqn, style in styles.items() if style is not None}
 
 
 def _grad_like_param(param: DTensor) -> None:
@@ -82,18 +80,11 @@ def _grad_like_param(param: DTensor) -> None:
         param.grad = param.grad.redistribute(param.device_mesh, param.placements)
 
 
-def apply_tp(model: nn.Module, *, env, cfg, mesh: DeviceMesh) -> Parallelized:
-    """Shard `model` over ``mesh["tp"]``; with a data-parallel size > 1, FSDP over
-    ``mesh["dp"]`` on top (`cfg.strategy` is then 'fsdp', checked by the config)."""
-    parallelize_module(model, mesh["tp"], gpt_tp_plan(model, sequence_parallel=cfg.sequence_parallel))
-    par = Parallelized(module=model, base=model)
-    if mesh["dp"].size() == 1:  # (FSDP's reduce-scatter reshards them itself)
+def apply_tp(model: nn.Module, *, mesh: DeviceMesh, plan: dict[str, str], sequence_parallel: bool,
+             reshard_grads: bool) -> None:
+    """Shard `model` in place over the 1-D TP `mesh` by its family's `plan`. With
+    `reshard_grads` (no FSDP on top), row-split embeddings keep only their rows' gradients."""
+    parallelize_module(model, mesh, tp_styles(plan, sequence_parallel=sequence_parallel))
+    if reshard_grads:
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(_grad_like_param)
-    else:
-        from raytrain_platform.parallel.fsdp import apply_fsdp
-
-        par = apply_fsdp(model, env=env, cfg=cfg, mesh=mesh["dp"])
-    par.sharded = True  # DTensor shards: checkpoint with DCP
-    par.clip_grad_norm = lambda max_norm: clip_grad_norm(model.parameters(), max_norm)
-    return par

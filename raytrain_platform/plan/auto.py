@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from raytrain_platform.config import JobConfig
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Option, make_plan
-from raytrain_platform.plan.shapes import ModelShape, gpt_shape, mlp_shape
+from raytrain_platform.models.registry import get_family
+from raytrain_platform.models.shapes import ModelShape
 from raytrain_platform.units import format_size
 
 __all__ = ["Hardware", "has_auto", "resolve_auto", "local_hardware", "cpu_hardware"]
@@ -91,15 +92,12 @@ def local_hardware(cfg: JobConfig) -> Hardware:
 
 
 def _shape(cfg: JobConfig) -> ModelShape:
-    from raytrain_platform.models.specs import GPTSpec, MLPSpec
-
-    if cfg.model.name == "gpt":
-        return gpt_shape(GPTSpec(**cfg.model.kwargs))
-    if cfg.model.name == "mlp":
-        return mlp_shape(MLPSpec(**cfg.model.kwargs))
-    raise ConfigError("parallel.strategy" if cfg.parallel.strategy == "auto" else "data.batch_size",
-                      "auto", f"an explicit value for model '{cfg.model.name}': the memory model "
-                      "knows the built-in models (gpt, mlp) only")
+    try:
+        return get_family(cfg.model.name).shape(cfg.model.kwargs)
+    except ConfigError as exc:
+        raise ConfigError("parallel.strategy" if cfg.parallel.strategy == "auto" else "data.batch_size",
+                          "auto", f"an explicit value for model '{cfg.model.name}': the memory model "
+                          f"needs {exc.allowed}") from None
 
 
 # plan option -> config fields, given the option's layout

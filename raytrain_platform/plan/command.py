@@ -18,7 +18,8 @@ from typing import Any
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
-from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, gpt_shape, mlp_shape, preset_shape
+from raytrain_platform.models.registry import FAMILIES, family_names, get_family
+from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, preset_shape
 from raytrain_platform.units import SIZE_HELP, parse_count, parse_size
 
 __all__ = ["add_plan_arguments", "run_plan", "parse_size", "parse_count", "format_plan", "plan_to_dict"]
@@ -42,7 +43,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.error = _one_line_error  # type: ignore[method-assign]
     p.add_argument("config", nargs="?", help="a job's YAML config (model, batch, precision from it)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--model", help=f"gpt, mlp, or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--model", help=f"{', '.join(family_names())}, or a preset: {', '.join(PRESETS)}")
     for flag, what in (("--params", "parameter count (7B, 125M, 6.7e9)"), ("--layers", "blocks"),
                        ("--hidden", "hidden size"), ("--heads", "attention heads"),
                        ("--seq-len", "sequence length in tokens"), ("--vocab", "vocabulary size")):
@@ -76,18 +77,8 @@ def _shape_from_flags(args: argparse.Namespace) -> ModelShape:
         return generic_shape(num_params=parse_count("--params", args.params), n_layer=layers,
                              hidden=hidden, seq_len=seq_len, n_head=heads,
                              vocab=_int("--vocab", args.vocab, 50257))
-    if args.model in ("gpt", "mlp"):
-        from raytrain_platform.models.specs import GPTSpec, MLPSpec, resolve_model_kwargs
-
-        if args.model == "gpt":
-            kw = {k: v for k, v in (("n_layer", layers), ("n_embd", hidden), ("n_head", heads),
-                                    ("block_size", seq_len)) if v is not None}
-            if hidden is not None:
-                _check_heads(hidden, heads if heads is not None else GPTSpec.n_head)
-            return gpt_shape(GPTSpec(**resolve_model_kwargs("gpt", kw)))
-        # mlp: --layers hidden layers of --hidden units; 16 features, 4 classes (synthetic defaults)
-        kw = {"hidden_sizes": [hidden or 64] * (layers or 2), "input_dim": 16, "num_outputs": 4}
-        return mlp_shape(MLPSpec(**resolve_model_kwargs("mlp", kw)))
+    if args.model in FAMILIES:
+        return _family_shape_from_flags(args.model, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len)
     if args.model is not None:
         extra = [f for f, v in (("--layers", layers), ("--hidden", hidden), ("--heads", heads),
                                 ("--seq-len", seq_len)) if v is not None]
@@ -95,31 +86,35 @@ def _shape_from_flags(args: argparse.Namespace) -> ModelShape:
             raise ConfigError(extra[0], getattr(args, extra[0][2:].replace("-", "_")),
                               f"not set with the preset {args.model!r} (its sizes are fixed)")
         return preset_shape(args.model)
-    raise ConfigError("--model", None, "a CONFIG, --model NAME (gpt, mlp, "
+    raise ConfigError("--model", None, f"a CONFIG, --model NAME ({', '.join(family_names())}, "
                       f"{', '.join(PRESETS)}), or --params with --layers/--hidden/--seq-len")
+
+
+def _family_shape_from_flags(name: str, *, layers: int | None, hidden: int | None, heads: int | None,
+                             seq_len: int | None) -> ModelShape:
+    """A family's shape with its sizes from the flags (the rest its defaults)."""
+    family = FAMILIES[name]
+    return family.shape(family.planner_kwargs(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len))
 
 
 def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
     """The model and the defaults (batch, precision, optimizer, workers) from a job config."""
     from raytrain_platform.config import load_config
-    from raytrain_platform.models.specs import GPTSpec, MLPSpec
+    from raytrain_platform.data.sources import SourceSpec, describe
 
     if args.model or args.params:
         raise ConfigError("--model" if args.model else "--params", args.model or args.params,
                           "not set with a CONFIG (change the model with --set model.kwargs.KEY=VALUE)")
     cfg = load_config(args.config, args.overrides)
-    if cfg.model.name == "gpt":
-        shape = gpt_shape(GPTSpec(**cfg.model.kwargs))
-    elif cfg.model.name == "mlp":
-        kw = dict(cfg.model.kwargs)
-        if kw["input_dim"] is None or kw["num_outputs"] is None:
-            from raytrain_platform.resolve import resolve_job  # the data decides them
-
-            kw = dict(resolve_job(cfg).config.model.kwargs)
-        shape = mlp_shape(MLPSpec(**kw))
-    else:
-        raise ConfigError("model.name", cfg.model.name, "a built-in model (gpt, mlp) for rtp plan; "
-                          "for another model use --params/--layers/--hidden/--seq-len")
+    family, kwargs = get_family(cfg.model.name), cfg.model.kwargs
+    if family.needs_data(kwargs):  # the data decides some sizes (the mlp's input and output)
+        info = describe(SourceSpec.from_config(cfg))
+        kwargs = family.fill_from_data(kwargs, num_features=info.num_features,
+                                       num_classes=info.num_classes, task=cfg.model.task)
+    try:
+        shape = family.shape(kwargs)
+    except ConfigError as exc:
+        raise ConfigError("model.name", cfg.model.name, f"{exc.allowed} (for rtp plan)") from None
     t, s = cfg.train, cfg.scaling
     defaults = {"global_batch": t.global_batch_size if cfg.data.batch_size == "auto"
                 else cfg.data.batch_size * t.grad_accum_steps * s.num_workers,
@@ -147,7 +142,7 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
     if global_batch is None:
         raise ConfigError("--global-batch", None, "an integer >= 1 (samples per optimizer step)")
     ckpt = args.activation_checkpointing or defaults.get("activation_checkpointing", False)
-    if ckpt and shape.family != "transformer":
+    if ckpt and shape.kind != "transformer":
         raise ConfigError("--activation-checkpointing", True, "off for an mlp (it checkpoints transformer blocks)")
     return dict(model=shape, device_memory=parse_size("--device-mem", args.device_mem),
                 devices_per_node=_int("--devices-per-node", args.devices_per_node,
@@ -182,7 +177,7 @@ def format_plan(plan: Plan) -> str:
     req, m = plan.request, plan.request.model
     lines = [f"model {m.name}: {m.num_params:,} parameters ({'exact' if m.exact else 'derived'}), "
              f"{m.n_layer} layers" + (f", hidden {m.hidden}, {m.n_head} heads, seq {m.seq_len}"
-                                       if m.family == "transformer" else ""),
+                                       if m.kind == "transformer" else ""),
              f"devices: {req.nodes} node(s) x {req.devices_per_node} of {_fmt(req.device_memory)} "
              f"(usable {_fmt(req.budget)}); global batch {req.global_batch}; {req.precision}, "
              f"{req.optimizer}, activation checkpointing {'on' if req.activation_checkpointing else 'off'}",

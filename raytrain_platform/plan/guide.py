@@ -169,7 +169,7 @@ def _options(req: PlanRequest) -> list[Option]:
     shard = n if nodes == 1 else per_node
     out.append(Option("fsdp", True, *_swap(_fit(req, dp=n, shard=shard))) if shard > 1 else
                Option("fsdp", False, note="needs 2 or more devices per node"))
-    if req.model.family != "transformer":
+    if req.model.kind != "transformer":
         return out + [Option(s, False, note="TP and PP split transformer blocks")
                       for s in ("tp", "pp", "tp_fsdp", "pp_dp")]
     tps = _tp_degrees(req)
@@ -274,7 +274,7 @@ def _warnings(req: PlanRequest, rec: Option | None) -> list[str]:
                        "worth it only with fast inter-node links")
     needs_help = rec is None or (rec.layout is not None and rec.layout.micro_batches > 1
                                  and rec.layout.pp == 1)
-    if needs_help and req.model.family == "transformer" and not req.activation_checkpointing:
+    if needs_help and req.model.kind == "transformer" and not req.activation_checkpointing:
         alt = make_plan(**{**req.__dict__, "activation_checkpointing": True})
         if alt.recommended is not None:
             out.append(f"with activation checkpointing (--activation-checkpointing): "
@@ -300,12 +300,12 @@ def _validate(req: PlanRequest) -> None:
         if req.tp > req.devices_per_node:
             raise ConfigError("--tp", req.tp, f"at most --devices-per-node ({req.devices_per_node}): "
                               "TP across nodes needs the fastest links (pitfall: keep TP within a node)")
-        if req.devices_per_node % req.tp or m.family != "transformer" or m.n_head % req.tp:
+        if req.devices_per_node % req.tp or m.kind != "transformer" or m.n_head % req.tp:
             raise ConfigError("--tp", req.tp, f"a divisor of --devices-per-node ({req.devices_per_node}) "
                               f"and of the attention heads ({m.n_head}) of a transformer")
     if req.pp is not None:
         positive("--pp", req.pp)
-        if req.devices % req.pp or m.family != "transformer" or req.pp > m.n_layer:
+        if req.devices % req.pp or m.kind != "transformer" or req.pp > m.n_layer:
             raise ConfigError("--pp", req.pp, f"a divisor of the devices ({req.devices}) and at most "
                               f"the transformer's layers ({m.n_layer})")
 

@@ -151,10 +151,10 @@ def rank_part(model: ModelShape, layout: Layout, pp_rank: int = 0) -> RankPart:
     """
     if not 0 <= pp_rank < layout.pp:
         raise ConfigError("pp_rank", pp_rank, f"a pipeline rank from 0 to {layout.pp - 1}")
-    if model.family != "transformer":
+    if model.kind != "transformer":
         if layout.tp > 1 or layout.stages > 1:
             raise ConfigError("layout", f"tp={layout.tp}, pp={layout.pp}",
-                              f"tp=1 and pp=1 for a {model.family} model (TP and PP split transformer blocks)")
+                              f"tp=1 and pp=1 for a {model.kind} model (TP and PP split transformer blocks)")
         return RankPart(blocks=0, first=True, last=True)  # an mlp's parameters are all "first"
     if model.n_layer < layout.stages:
         raise ConfigError("layout.pp", layout.pp, f"at most {model.n_layer} pipeline stages in all "
@@ -190,7 +190,7 @@ def _ends(model: ModelShape, part: RankPart, tp: int) -> tuple[int, int]:
 def rank_params(model: ModelShape, layout: Layout, pp_rank: int = 0) -> tuple[int, int]:
     """(parameters, parameter tensors) of pipeline rank `pp_rank` on one TP rank, before FSDP."""
     part = rank_part(model, layout, pp_rank)
-    if model.family != "transformer":
+    if model.kind != "transformer":
         return model.num_params, model.num_tensors
     ends, end_tensors = _ends(model, part, layout.tp)
     blocks = part.blocks * _tp_block_params(model, layout.tp)
@@ -239,7 +239,7 @@ def _mlp_activations(model: ModelShape, b: int, e: int) -> int:
 
 def _activations(model: ModelShape, layout: Layout, pp_rank: int, e: int, r: int, checkpointing: bool) -> int:
     b = layout.micro_batch
-    if model.family == "mlp":
+    if model.kind == "dense":
         return _mlp_activations(model, b, e)
     part = rank_part(model, layout, pp_rank)
     full_block = _block_activations(model, b, layout.tp, e, r)
@@ -260,7 +260,7 @@ def _overhead(model: ModelShape, layout: Layout, pp_rank: int, precision: str,
         # FSDP gathers one block (and prefetches the next) and keeps the root unit
         # (embeddings, head) gathered; a unit's full gradients exist until reduce-scatter.
         gather = 2 if precision == "bf16" else 4
-        if model.family == "transformer":
+        if model.kind == "transformer":
             ends, _ = _ends(model, rank_part(model, layout, pp_rank), layout.tp)
             fsdp = _tp_block_params(model, layout.tp) * (2 * gather + 4) + ends * gather
         else:  # no blocks: the whole model is the one (root) unit
@@ -278,7 +278,7 @@ def _overhead(model: ModelShape, layout: Layout, pp_rank: int, precision: str,
 
 
 def _local_matmul_params(model: ModelShape, layout: Layout, pp_rank: int) -> int:
-    if model.family == "mlp":
+    if model.kind == "dense":
         return model.last_matmul_params
     part = rank_part(model, layout, pp_rank)
     head = -(-model.last_matmul_params // layout.tp) if part.last else 0
@@ -318,7 +318,7 @@ def estimate_memory(*, model: ModelShape, layout: Layout, precision: str = "fp32
         raise ConfigError("--precision", precision, f"one of {list(PRECISIONS)}")
     if optimizer not in OPTIMIZERS:
         raise ConfigError("--optimizer", optimizer, f"one of {list(OPTIMIZERS)}")
-    if activation_checkpointing and model.family != "transformer":
+    if activation_checkpointing and model.kind != "transformer":
         raise ConfigError("--activation-checkpointing", True, "off for an mlp (it checkpoints transformer blocks)")
     ranks = range(layout.pp) if pp_rank is None else [pp_rank]
     return max((_estimate_rank(model, layout, rank, precision, optimizer, momentum, activation_checkpointing)

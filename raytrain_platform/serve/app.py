@@ -2,15 +2,15 @@
 batching (``serve.batch``) and model multiplexing (``serve.multiplexed``, LRU-bounded
 per replica).
 
-    POST /v1/predict    mlp: feature rows -> predictions (+ class probabilities)
-    POST /v1/generate   gpt: prompt -> generated text (same seed, same text)
+    POST /v1/predict    tabular models: feature rows -> predictions (+ class probabilities)
+    POST /v1/generate   byte-level LMs: prompt -> generated text (same seed, same text)
     GET  /v1/models     each model's config, checkpoint step and training metrics
     GET  /healthz       liveness
     GET  /docs          OpenAPI
 
 A request names its model with the ``model`` field or the ``serve_multiplexed_model_id``
 header (which Serve also routes by: to a replica that has the model loaded); without
-one, the only model of the endpoint's kind answers. Models load on a replica when first
+one, the only model served at that endpoint answers (each model's family says which). Models load on a replica when first
 asked for; compute runs on one thread per replica, off the event loop, so the loop keeps
 accepting (and batching) requests meanwhile.
 """
@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 from ray import serve
 
-from raytrain_platform import __version__
+from raytrain_platform._version import __version__
 from raytrain_platform.serve.catalog import load_served_model
 from raytrain_platform.serve.coalesce import Coalescer
 from raytrain_platform.serve.http import ERROR_RESPONSES, error, make_api
@@ -40,7 +40,7 @@ from raytrain_platform.serve.schemas import (BatchStats, GenerateRequest, Genera
 __all__ = ["ModelServer", "api"]
 
 api = make_api("raytrain_platform models", __version__)
-_ENDPOINT = {"mlp": "POST /v1/predict", "gpt": "POST /v1/generate"}
+_ROUTE = {"predict": "POST /v1/predict", "generate": "POST /v1/generate"}
 
 
 class _ConcurrentBatchesWarning(logging.Filter):
@@ -115,7 +115,8 @@ class ModelServer:
         return model.to(self.device)
 
     # ---- requests -> a checked model entry -------------------------------------------------
-    def _resolve(self, field_id: Optional[str], kind: str) -> dict:
+    def _resolve(self, field_id: Optional[str], endpoint: str) -> dict:
+        """The catalog entry a request names (or the only one this `endpoint` serves)."""
         header_id = serve.get_multiplexed_model_id()
         if field_id and header_id and field_id != header_id:
             raise error(400, f"model field {field_id!r} and serve_multiplexed_model_id header "
@@ -123,18 +124,18 @@ class ModelServer:
         model_id = field_id or header_id
         known = ", ".join(self.catalog)
         if not model_id:
-            of_kind = [m for m in self.catalog.values() if m["model"]["name"] == kind]
+            of_kind = [m for m in self.catalog.values() if m["endpoint"] == endpoint]
             if len(of_kind) != 1:
                 raise error(400 if of_kind else 404,
-                            f"{len(of_kind)} {kind} models served: name one with the model field or the "
-                            f"serve_multiplexed_model_id header; known ids: {known}")
+                            f"{len(of_kind)} models served for {_ROUTE[endpoint]}: name one with the model "
+                            f"field or the serve_multiplexed_model_id header; known ids: {known}")
             return of_kind[0]
         entry = self.catalog.get(model_id)
         if entry is None:
             raise error(404, f"unknown model id {model_id!r}; known ids: {known}")
-        name = entry["model"]["name"]
-        if name != kind:
-            raise error(400, f"model {model_id!r} is a {name} model: use {_ENDPOINT[name]}")
+        if entry["endpoint"] != endpoint:
+            raise error(400, f"model {model_id!r} is a {entry['model']['name']} model: use "
+                             f"{_ROUTE[entry['endpoint']]}")
         return entry
 
     def _check_rows(self, entry: dict, rows: list[list[float]]) -> None:
@@ -169,7 +170,7 @@ class ModelServer:
         return inference.predict(model, rows, classification=classification)
 
     def _generate_compute(self, model_id: str, model: torch.nn.Module, jobs: list) -> list[bytes]:
-        return inference.generate(model, jobs)
+        return inference.generate(model, jobs, context_len=self.catalog[model_id]["context_len"])
 
     async def _grouped(self, kind: str, items: list[tuple[str, Any]]) -> list:
         """One compute call per model among `items` (``(model_id, payload)``), on the
@@ -203,8 +204,8 @@ class ModelServer:
     # ---- endpoints --------------------------------------------------------------------------
     @api.post("/v1/predict", response_model=PredictResponse, responses=ERROR_RESPONSES)
     async def predict(self, body: PredictRequest) -> PredictResponse:
-        """Predictions for feature rows (mlp): class and class probabilities, or a value."""
-        entry = self._resolve(body.model, "mlp")
+        """Predictions for feature rows (tabular models): class and class probabilities, or a value."""
+        entry = self._resolve(body.model, "predict")
         self._check_rows(entry, body.rows)
         out = await self._submit(self._predict_batch, "predict", (entry["id"], body.rows))
         return PredictResponse(model=entry["id"], step=entry["step"], predictions=out.predictions,
@@ -212,8 +213,8 @@ class ModelServer:
 
     @api.post("/v1/generate", response_model=GenerateResponse, responses=ERROR_RESPONSES)
     async def generate(self, body: GenerateRequest) -> GenerateResponse:
-        """Continue a prompt byte by byte (gpt); the same seed gives the same text."""
-        entry = self._resolve(body.model, "gpt")
+        """Continue a prompt byte by byte (byte-level LMs); the same seed gives the same text."""
+        entry = self._resolve(body.model, "generate")
         job = self._job(body)
         out = await self._submit(self._generate_batch, "generate", (entry["id"], job))
         return GenerateResponse(model=entry["id"], step=entry["step"], seed=job.seed,

@@ -20,9 +20,7 @@ if TYPE_CHECKING:
 
     from raytrain_platform.serve.options import ServeOptions
 
-__all__ = ["SERVABLE_MODELS", "load_catalog", "load_served_model", "describe"]
-
-SERVABLE_MODELS = ("gpt", "mlp")
+__all__ = ["load_catalog", "load_served_model", "describe"]
 
 
 def load_served_model(model_id: str, path: str) -> tuple["nn.Module", dict]:
@@ -31,7 +29,7 @@ def load_served_model(model_id: str, path: str) -> tuple["nn.Module", dict]:
     from raytrain_platform.export import load_model_for_inference
 
     try:
-        model, _cfg, info = load_model_for_inference(path, models=SERVABLE_MODELS)
+        model, _cfg, info = load_model_for_inference(path, servable=True)
     except CheckpointError as exc:
         raise CheckpointError(f"model {model_id!r}: {exc}") from None
     return model, describe(model_id, info)
@@ -39,15 +37,13 @@ def load_served_model(model_id: str, path: str) -> tuple["nn.Module", dict]:
 
 def describe(model_id: str, info: dict) -> dict:
     """What ``GET /v1/models`` shows, and what a replica needs to check a request
-    before loading the model: its kind, task and input shape."""
-    kwargs = info["model"]["kwargs"]
-    if info["model"]["name"] == "gpt":
-        inputs = {"block_size": kwargs["block_size"], "vocab_size": kwargs["vocab_size"]}
-        task = "lm"
-    else:
-        task = kwargs["task"]
-        inputs = {"num_features": kwargs["input_dim"], "num_outputs": kwargs["num_outputs"]}
-    return {"id": model_id, "model": info["model"], "task": task, "inputs": inputs,
+    before loading the model: its endpoint, task and input shape (from its family)."""
+    from raytrain_platform.models.registry import get_family
+
+    name, kwargs, task = info["model"]["name"], info["model"]["kwargs"], info["model"]["task"]
+    spec = get_family(name).serving(kwargs, task)
+    return {"id": model_id, "model": {"name": name, "kwargs": kwargs}, "task": task,
+            "endpoint": spec.endpoint, "inputs": spec.inputs, "context_len": spec.context_len,
             "checkpoint": info["source"], "step": info["step"], "metrics": _finite(info["metrics"]),
             "num_params": info["num_params"]}
 

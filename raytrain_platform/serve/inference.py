@@ -1,5 +1,5 @@
 """The math behind the endpoints, batched: class probabilities or values for tabular
-rows, and byte-level sampling for gpt. Plain torch, no Serve; requests arrive here
+rows, and byte-level sampling for byte-level LMs (gpt). Plain torch, no Serve; requests arrive here
 already checked.
 
 >>> import torch
@@ -7,7 +7,7 @@ already checked.
 >>> from raytrain_platform.models.specs import GPTSpec
 >>> gpt = GPT(GPTSpec(n_layer=1, n_head=2, n_embd=16, block_size=8)).eval()
 >>> job = GenerationJob(prompt=b"hi", max_new_tokens=5, temperature=1.0, top_k=None, seed=7)
->>> generate(gpt, [job, job])[0] == generate(gpt, [job])[0]   # same seed, same bytes
+>>> generate(gpt, [job, job], context_len=8)[0] == generate(gpt, [job], context_len=8)[0]  # same seed
 True
 """
 
@@ -71,11 +71,12 @@ def _sample(logits: torch.Tensor, job: GenerationJob, generator: torch.Generator
 
 
 @torch.inference_mode()
-def generate(model: nn.Module, jobs: list[GenerationJob]) -> list[bytes]:
+def generate(model: nn.Module, jobs: list[GenerationJob], *, context_len: int | None = None) -> list[bytes]:
     """Continue each prompt by its ``max_new_tokens`` bytes. Each step runs one forward
     per group of sequences of equal context length (no padding, so no mask needed); the
-    context is the last ``block_size`` bytes."""
-    block_size = model.spec.block_size
+    context is the last `context_len` bytes (the model family's serving context; None:
+    all of it)."""
+    block_size = context_len or 1 << 62
     seqs = [list(job.prompt) for job in jobs]
     outs: list[list[int]] = [[] for _ in jobs]
     generators = [torch.Generator().manual_seed(job.seed) for job in jobs]

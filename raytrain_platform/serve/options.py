@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from raytrain_platform.errors import ConfigError
-from raytrain_platform.rundir import STATE_FILE, latest_checkpoint
+from raytrain_platform.core.rundir import STATE_FILE, latest_checkpoint
 
 __all__ = ["CheckpointSpec", "ServeOptions", "parse_serve_args", "option_fields", "MODEL_ID_PATTERN"]
 

@@ -74,7 +74,10 @@ class ModelInfo(_Strict):
     id: str
     model: dict = Field(description="model.name and model.kwargs from the training config")
     task: str = Field(description="classification, regression or lm")
-    inputs: dict = Field(description="num_features/num_outputs (mlp) or block_size/vocab_size (gpt)")
+    endpoint: str = Field(description="predict (POST /v1/predict) or generate (POST /v1/generate)")
+    inputs: dict = Field(description="what a request's input must match, from the model's family: "
+                         "num_features/num_outputs (predict) or block_size/vocab_size (gpt)")
+    context_len: int = Field(0, description="generate: tokens of context the model sees")
     checkpoint: str
     step: int
     metrics: dict = Field(description="the training metrics recorded with the checkpoint")

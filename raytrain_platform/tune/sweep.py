@@ -25,7 +25,7 @@ from typing import Any
 
 from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.errors import ConfigError, UserError
-from raytrain_platform.rundir import best_checkpoint
+from raytrain_platform.core.rundir import best_checkpoint
 from raytrain_platform.tune.results import (BEST_CONFIG_FILE, PLOT_FILE, REPORTED, RESULTS_FILE,
                                             SweepResult, pick_best, plot_sweep, write_best_config)
 from raytrain_platform.tune.space import Axis, expand, parse_space

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from raytrain_platform.rundir import SUMMARY_FILE
+from raytrain_platform.core.rundir import SUMMARY_FILE
 
 __all__ = ["TrialFailed", "trial_driver", "failure_reason", "recorded_reason", "trial_error",
            "trial_dirname", "release_trial"]
@@ -24,12 +24,12 @@ class TrialFailed(RuntimeError):
 def failure_reason(exc: BaseException) -> str:
     """One line for a failed run: a `UserError` found anywhere in the chain (a bad
     combination), else the exception type and the failing rank's last line."""
-    from raytrain_platform.cli import _first_line, _user_cause  # the CLI's own rule
+    from raytrain_platform.errors import first_line, user_cause  # the CLI's own rule
 
-    cause = _user_cause(exc)
+    cause = user_cause(exc)
     if cause is not None:
         return str(cause)
-    return f"{type(exc).__name__}: {_first_line(exc)}"
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def recorded_reason(error: BaseException | None) -> str:

@@ -6,9 +6,9 @@ Run it alone (``none``) or under torchrun (``ddp``, ``fsdp``; TP, PP and 2-D lay
 as ``--parallel``, a JSON list of ``parallel`` config sections), gloo on CPU:
 
     python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \\
-        --master-port 29731 -m raytrain_platform.plan.measure --model gpt mlp --strategy ddp fsdp
+        --master-port 29731 -m raytrain_platform.tools.measure_memory --model gpt mlp --strategy ddp fsdp
     python -m torch.distributed.run --nproc-per-node 4 --master-addr 127.0.0.1 \\
-        --master-port 29732 -m raytrain_platform.plan.measure --model gpt \\
+        --master-port 29732 -m raytrain_platform.tools.measure_memory --model gpt \\
         --parallel '[{"tp_size": 2, "strategy": "fsdp"},
                      {"pp_size": 2, "strategy": "ddp", "pp_split": [1, 3]}]' \\
         --kwargs '{"n_layer": 4, "n_embd": 32, "n_head": 2, "block_size": 16}'
@@ -22,7 +22,7 @@ activation estimate plus, under bf16, autocast's weight copies. Not under PP (No
 the schedule frees each chunk's activations during its step.
 
 >>> import json, subprocess, sys
->>> out = subprocess.run([sys.executable, "-m", "raytrain_platform.plan.measure", "--model", "mlp"],
+>>> out = subprocess.run([sys.executable, "-m", "raytrain_platform.tools.measure_memory", "--model", "mlp"],
 ...                      capture_output=True, text=True, check=True).stdout
 >>> json.loads(out)["measured"]["params"] > 0
 True
@@ -35,7 +35,8 @@ import json
 import os
 from typing import Any
 
-from raytrain_platform.core.memory import local_tensor, state_bytes
+from raytrain_platform.models.registry import family_names, get_family
+from raytrain_platform.parallel.memory import local_tensor, state_bytes
 
 __all__ = ["state_bytes", "measure"]
 
@@ -63,22 +64,19 @@ def _saved_activation_bytes(fn: Any, params: list) -> tuple[Any, int]:
     return out, sum(seen.values())
 
 
-def _build(model_name: str, kwargs: dict) -> tuple[Any, Any]:
-    from raytrain_platform.config import ModelConfig
-    from raytrain_platform.models import build_model
-    from raytrain_platform.models.specs import GPTSpec, MLPSpec
-    from raytrain_platform.plan.shapes import gpt_shape, mlp_shape
+def _build(model_name: str, kwargs: dict) -> tuple[Any, Any, Any]:
+    from raytrain_platform.models.registry import get_family
 
-    cfg = ModelConfig(name=model_name, kwargs=kwargs)
-    shape = gpt_shape(GPTSpec(**cfg.kwargs)) if model_name == "gpt" else mlp_shape(MLPSpec(**cfg.kwargs))
-    return build_model(cfg), shape
+    family = get_family(model_name)
+    kwargs = family.resolve_kwargs(kwargs)
+    return family.build(kwargs), family.shape(kwargs), family
 
 
 def _batch(shape: Any, micro_batch: int) -> tuple[Any, Any]:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    if shape.family == "transformer":
+    if shape.kind == "transformer":
         tokens = torch.randint(0, shape.vocab, (micro_batch, shape.seq_len + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
     x = torch.randn(micro_batch, shape.widths[0], generator=g)
@@ -113,21 +111,21 @@ def measure(*, model_name: str, strategy: str = "none", parallel: dict | None = 
     from raytrain_platform.core.dist import DistEnv
     from raytrain_platform.core.optim import build_optimizer
     from raytrain_platform.models.tasks import get_task
-    from raytrain_platform.parallel.registry import parallelize
+    from raytrain_platform.parallel.compose import parallelize
     from raytrain_platform.plan.memory import estimate_memory
 
     torch.manual_seed(0)
-    model, shape = _build(model_name, kwargs or {})
+    model, shape, family = _build(model_name, kwargs or {})
     env = DistEnv.current(use_gpu=False)
     par_cfg = ParallelConfig(**(parallel or {"strategy": strategy}))
     layout, pp_rank = _layout(par_cfg, env.world_size, micro_batch)
     # Before building: an impossible layout (TP of an mlp) is a ConfigError, not a crash.
     est = estimate_memory(model=shape, layout=layout, precision=precision, optimizer=optimizer,
                           pp_rank=pp_rank)
-    par = parallelize(model, env=env, cfg=par_cfg)
+    par = parallelize(model, env=env, cfg=par_cfg, family=family, model_kwargs=family.resolve_kwargs(kwargs or {}))
     opt = build_optimizer(par.base, TrainConfig(max_steps=1, optimizer=optimizer, precision=precision))
     inputs, targets = _batch(shape, micro_batch)
-    task = get_task("lm" if shape.family == "transformer" else "classification")
+    task = get_task("lm" if shape.kind == "transformer" else "classification")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     act_bytes: int | None = None
     if par.pipeline is not None:  # the schedule runs forward and backward of every chunk
@@ -164,8 +162,8 @@ def _print_all_ranks(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m raytrain_platform.plan.measure")
-    p.add_argument("--model", nargs="+", choices=["gpt", "mlp"], required=True)
+    p = argparse.ArgumentParser(prog="python -m raytrain_platform.tools.measure_memory")
+    p.add_argument("--model", nargs="+", choices=family_names(), required=True)
     p.add_argument("--strategy", nargs="+", default=["none"])
     p.add_argument("--parallel", default=None,
                    help='JSON list of parallel sections, e.g. \'[{"tp_size": 2}]\' (instead of --strategy); '
@@ -184,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     sections = json.loads(args.parallel) if args.parallel else [{"strategy": s} for s in args.strategy]
     for section in sections:  # one process group, a fresh model per run
         for model in args.model:
-            if model != "gpt" and section.get("tp_size", 1) * section.get("pp_size", 1) > 1:
-                continue  # TP and PP split gpt's blocks; an mlp has none
-            kwargs = json.loads(args.kwargs) if model == "gpt" else {"input_dim": 16, "num_outputs": 4}
+            family = get_family(model)
+            if not family.has_blocks and section.get("tp_size", 1) * section.get("pp_size", 1) > 1:
+                continue  # TP and PP split a model's blocks; an mlp has none
+            # --kwargs are the transformer's; a model without blocks gets the synthetic data's sizes
+            kwargs = json.loads(args.kwargs) if family.has_blocks else family.planner_kwargs(
+                layers=None, hidden=None, heads=None, seq_len=None)
             _print_all_ranks(measure(model_name=model, parallel=section, optimizer=args.optimizer,
                                      precision=args.precision, micro_batch=args.micro_batch, kwargs=kwargs))
     if dist.is_initialized():

@@ -1,7 +1,7 @@
 """Bytes of model state this rank holds, exact, from the tensors themselves.
 
 Used by the engine's metrics (``param_bytes``, ``grad_bytes``, ``optim_bytes``) and by
-``rtp plan``'s check of its memory model against reality (plan/measure.py).
+``rtp plan``'s check of its memory model against reality (tools/measure_memory.py).
 
 >>> import torch
 >>> m = torch.nn.Linear(4, 2)

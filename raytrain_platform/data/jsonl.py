@@ -1,0 +1,357 @@
+"""JSONL instruction data, tokenized with a Hugging Face tokenizer and packed into
+fixed-length windows (numpy only: no Ray, no torch).
+
+Ray Data runs `jsonl_windows` once per file inside ``map_batches`` and the Ray-free
+reader runs the same function in a loop, so both paths see the same windows in the
+same order. Everything is pure and deterministic: same files, tokenizer and spec →
+same arrays.
+
+Three record formats, one JSON object per line (blank lines are skipped):
+
+* ``text``: ``{"text": ...}``; every token is trained on.
+* ``prompt_completion``: ``{"prompt": ..., "completion": ...}``; only the completion
+  and the closing EOS are trained on.
+* ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered with the
+  tokenizer's chat template; only the assistant turns are trained on.
+
+Each document ends with the tokenizer's EOS. Documents go to train or val by a hash
+of ``(file_index << 32) | line_index`` *before* packing, so no window mixes the two
+splits; then each file's documents are concatenated and cut into non-overlapping
+windows of ``seq_len`` tokens (the tail is dropped). ``loss_mask[t]`` says whether
+token ``t`` is a training target: a trainer that predicts ``tokens[:, 1:]`` from
+``tokens[:, :-1]`` weights its loss by ``loss_mask[:, 1:]``.
+
+>>> spec = JsonlSpec(path="data/chat.jsonl", format="chat", tokenizer="model",
+...                  seq_len=129, val_fraction=0.1)
+>>> spec.seq_len - 1  # the model's context
+128
+>>> batch = jsonl_windows(0, jsonl_files(spec)[0], spec, "train")  # doctest: +SKIP
+>>> batch["tokens"].shape[1], batch["tokens"].dtype, batch["loss_mask"].dtype  # doctest: +SKIP
+(129, dtype('int32'), dtype('uint8'))
+
+``python -m raytrain_platform.tools.tiny_llm OUT`` writes a matching tokenizer
+(``OUT/model``) and data in all three formats (``OUT/data``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from raytrain_platform.data.sources import split_mask
+from raytrain_platform.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
+
+__all__ = [
+    "FORMATS",
+    "JsonlSpec",
+    "jsonl_files",
+    "load_tokenizer",
+    "encode_record",
+    "jsonl_windows",
+    "iter_windows",
+    "count_file_windows",
+    "count_windows",
+    "check_fits",
+]
+
+FORMATS = ("text", "prompt_completion", "chat")
+_VAL_BIT = 1 << 31  # set in the sample_id of val windows: ids never collide across splits
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class JsonlSpec:
+    """Everything a reader needs, as plain picklable values (shipped to Ray tasks)."""
+
+    path: str  # a .jsonl file or a folder of them (recursive); local path or URI
+    format: str  # text | prompt_completion | chat
+    tokenizer: str  # local folder of a Hugging Face tokenizer
+    seq_len: int  # tokens per window, including the extra target token (context + 1)
+    val_fraction: float
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ConfigError("data.format", self.format, f"one of {', '.join(FORMATS)}")
+        if not (isinstance(self.seq_len, int) and self.seq_len >= 2):
+            raise ConfigError("data.seq_len", self.seq_len, "an integer >= 2 (context + 1)")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError("data.val_fraction", self.val_fraction, "a number in [0, 1)")
+
+
+# ---------------------------------------------------------------- files
+
+
+def _filesystem(path: str) -> tuple["pafs.FileSystem", str]:
+    import pyarrow.fs as pafs
+
+    try:
+        if "://" in path:
+            return pafs.FileSystem.from_uri(path)
+        return pafs.LocalFileSystem(), os.path.abspath(path)
+    except Exception as exc:  # pyarrow raises several types for bad URIs
+        raise DataError(f"data.path = {path!r}: not a readable path or URI ({exc})") from None
+
+
+def jsonl_files(spec: JsonlSpec) -> list[str]:
+    """The .jsonl files under ``spec.path``, sorted; URIs stay URIs (so any process can
+    open them again), local paths become absolute."""
+    import pyarrow.fs as pafs
+
+    fs, root = _filesystem(spec.path)
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.NotFound:
+        raise DataError(f"data.path = {spec.path!r}: no such file or folder")
+    if info.type == pafs.FileType.File:
+        if not root.endswith(".jsonl"):
+            raise DataError(f"data.path = {spec.path!r}: expected a .jsonl file or a folder of them")
+        if info.size == 0:
+            raise DataError(f"data.path = {spec.path!r}: the file is empty")
+        return [spec.path if "://" in spec.path else root]
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    found = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".jsonl"))
+    if not found:
+        raise DataError(f"data.path = {spec.path!r}: the folder holds no .jsonl files")
+    if "://" not in spec.path:
+        return found
+    # Rebuild each file's URI from the root's: keeps host, port and bucket.
+    base, root = spec.path.rstrip("/"), root.rstrip("/")
+    return [base + f[len(root):] for f in found]
+
+
+def _read_records(path: str, spec: JsonlSpec) -> Iterator[tuple[int, dict]]:
+    """(0-based line index, record) for each non-blank line, each checked for `spec.format`."""
+    fs, local = _filesystem(path)
+    try:
+        with fs.open_input_stream(local) as f:
+            data = f.read()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc})") from None
+    for index, raw in enumerate(data.split(b"\n")):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+            raise DataError(f"{path}:{index + 1}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
+        try:
+            _check_record(record, spec)
+        except DataError as exc:
+            raise DataError(f"{path}:{index + 1}: {exc}") from None
+        yield index, record
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    allowed = "a local folder with tokenizer files (tokenizer.json or tokenizer_config.json)"
+    if not os.path.isdir(path):
+        raise ConfigError("data.tokenizer", path, allowed)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise ConfigError("data.tokenizer", path, allowed)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # transformers raises OSError, ValueError, ImportError…
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError("data.tokenizer", path, f"a loadable tokenizer ({reason})") from None
+    if tok.eos_token_id is None:
+        raise ConfigError("data.tokenizer", path, "a tokenizer with an eos_token (it ends every document)")
+    return tok
+
+
+def load_tokenizer(path: str, *, need_chat_template: bool) -> Any:
+    """The Hugging Face tokenizer in local folder `path`, loaded once per process;
+    never downloads, never runs code from the folder."""
+    tok = _load_tokenizer(path)
+    if need_chat_template and not getattr(tok, "chat_template", None):
+        raise ConfigError("data.tokenizer", path, "a tokenizer with a chat_template for data.format chat")
+    return tok
+
+
+# ---------------------------------------------------------------- records
+
+
+def _check_messages(messages: Any, field: str) -> None:
+    shape = f"{field!r}: a non-empty list of {{\"role\": str, \"content\": str}} objects"
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"expected {shape}")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise DataError(f"expected {shape}; message {i} is {json.dumps(m)[:80]}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"expected {field!r} to hold at least one message with role 'assistant'")
+
+
+def _check_record(record: Any, spec: JsonlSpec) -> None:
+    """DataError (without a location; the reader adds it) unless `record` fits `spec.format`."""
+    if not isinstance(record, dict):
+        raise DataError(f"expected a JSON object, got {type(record).__name__}")
+    if spec.format == "chat":
+        if spec.messages_field not in record:
+            raise DataError(f"expected a field {spec.messages_field!r} (data.format chat)")
+        return _check_messages(record[spec.messages_field], spec.messages_field)
+    fields = ((spec.text_field,) if spec.format == "text"
+              else (spec.prompt_field, spec.completion_field))
+    for name in fields:
+        if not isinstance(record.get(name), str):
+            got = "missing" if name not in record else type(record[name]).__name__
+            raise DataError(f"expected a string field {name!r} (data.format {spec.format}), got {got}")
+
+
+def _ids(tok: Any, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _bos(tok: Any) -> list[int]:
+    # Tokenizers with a BOS distinct from EOS (Llama) expect it at each document start.
+    bos = tok.bos_token_id
+    return [] if bos is None or bos == tok.eos_token_id else [bos]
+
+
+def _render(tok: Any, messages: list[dict], generation_prompt: bool = False) -> str:
+    try:
+        return tok.apply_chat_template(messages, tokenize=False,
+                                       add_generation_prompt=generation_prompt)
+    except Exception as exc:  # jinja errors, raise_exception() in templates
+        raise DataError(f"the chat template cannot render these messages ({exc})") from None
+
+
+def _assistant_spans(tok: Any, messages: list[dict], full: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in `full`: the text a turn adds after the
+    generation prompt that opens it (its content and the template's end-of-turn)."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tok, messages[:i], generation_prompt=True)
+        upto = _render(tok, messages[: i + 1])
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise DataError(f"the chat template does not render message {i} as a prefix of the "
+                            "conversation, so the assistant tokens cannot be located")
+        spans.append((len(before), len(upto)))
+    return spans
+
+
+def _encode_chat(tok: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
+    full = _render(tok, messages)
+    spans = _assistant_spans(tok, messages, full)
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    starts = np.array([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+    inside = np.zeros(starts.shape, dtype=bool)
+    for lo, hi in spans:
+        inside |= (starts >= lo) & (starts < hi)
+    # The chat template already closes each assistant turn, so EOS is not a target.
+    return list(enc["input_ids"]) + [tok.eos_token_id], inside.astype(int).tolist() + [0]
+
+
+def encode_record(tok: Any, record: dict, spec: JsonlSpec) -> tuple[list[int], list[int]]:
+    """Token ids of one document (ending with EOS) and its loss mask (1 = trained on)."""
+    _check_record(record, spec)
+    bos, eos = _bos(tok), tok.eos_token_id
+    if spec.format == "text":
+        ids = _ids(tok, record[spec.text_field])
+        return bos + ids + [eos], [0] * len(bos) + [1] * (len(ids) + 1)
+    if spec.format == "prompt_completion":
+        prompt = _ids(tok, record[spec.prompt_field])
+        completion = _ids(tok, record[spec.completion_field])
+        return (bos + prompt + completion + [eos],
+                [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + 1))
+    return _encode_chat(tok, record[spec.messages_field])
+
+
+# ---------------------------------------------------------------- windows
+
+
+def _encode_documents(path: str, numbered: list[tuple[int, dict]], tok: Any,
+                      spec: JsonlSpec) -> tuple[np.ndarray, np.ndarray]:
+    ids: list[int] = []
+    mask: list[int] = []
+    for index, record in numbered:
+        try:
+            doc_ids, doc_mask = encode_record(tok, record, spec)
+        except DataError as exc:
+            raise DataError(f"{path}:{index + 1}: {exc}") from None
+        ids += doc_ids
+        mask += doc_mask
+    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+
+
+def _split_tokens(file_index: int, path: str, spec: JsonlSpec, splits: tuple[str, ...]) -> dict:
+    """split → (ids, mask) of the file's documents in that split, concatenated in order."""
+    tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
+    indexed = list(_read_records(path, spec))
+    line_ids = np.array([i for i, _ in indexed], dtype=np.int64)
+    is_val = split_mask((np.int64(file_index) << np.int64(32)) | line_ids, spec.val_fraction, "val")
+    out = {}
+    for split in splits:
+        chosen = [pair for pair, v in zip(indexed, is_val) if bool(v) == (split == "val")]
+        out[split] = _encode_documents(path, chosen, tok, spec)
+    return out
+
+
+def jsonl_windows(file_index: int, path: str, spec: JsonlSpec, split: str) -> dict[str, np.ndarray]:
+    """One file's `split` documents packed into windows: ``tokens`` int32 (n, seq_len),
+    ``loss_mask`` uint8 (n, seq_len) and a stable, unique ``sample_id`` int64 (n,)."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+    ids, mask = _split_tokens(file_index, path, spec, (split,))[split]
+    n = ids.size // spec.seq_len  # non-overlapping; the tail is dropped
+    sample_id = ((np.int64(file_index) << np.int64(32)) | np.int64(_VAL_BIT if split == "val" else 0)
+                 | np.arange(n, dtype=np.int64))
+    return {"tokens": ids[: n * spec.seq_len].reshape(n, spec.seq_len),
+            "loss_mask": mask[: n * spec.seq_len].reshape(n, spec.seq_len),
+            "sample_id": sample_id}
+
+
+def iter_windows(spec: JsonlSpec, split: str) -> Iterator[dict[str, np.ndarray]]:
+    """`jsonl_windows` of every file in order: the whole split, one batch per file."""
+    for file_index, path in enumerate(jsonl_files(spec)):
+        yield jsonl_windows(file_index, path, spec, split)
+
+
+def count_file_windows(file_index: int, path: str, spec: JsonlSpec) -> tuple[int, int]:
+    """(train, val) windows of one file; tokenizes it once (a Ray task can run this)."""
+    both = _split_tokens(file_index, path, spec, ("train", "val"))
+    return both["train"][0].size // spec.seq_len, both["val"][0].size // spec.seq_len
+
+
+def count_windows(spec: JsonlSpec) -> tuple[int, int]:
+    """(train, val) windows over all files; DataError when there is no training window."""
+    train = val = 0
+    for file_index, path in enumerate(jsonl_files(spec)):
+        t, v = count_file_windows(file_index, path, spec)
+        train, val = train + t, val + v
+    if train == 0:
+        raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = "
+                        f"{spec.seq_len} tokens (too little data, or lower data.seq_len)")
+    return train, val
+
+
+def check_fits(spec: JsonlSpec, *, vocab_size: int | None, max_positions: int | None) -> None:
+    """ConfigError unless the tokenizer's ids fit the model's embedding and each window's
+    context (seq_len - 1) fits its positions; None skips a check."""
+    tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
+    if vocab_size is not None and len(tok) > vocab_size:
+        raise ConfigError("data.tokenizer", spec.tokenizer,
+                          f"a tokenizer of at most the model's vocab_size {vocab_size} tokens "
+                          f"(this one has {len(tok)})")
+    if max_positions is not None and spec.seq_len - 1 > max_positions:
+        raise ConfigError("data.seq_len", spec.seq_len,
+                          f"at most {max_positions + 1}: the model has {max_positions} positions "
+                          "and sees seq_len - 1 tokens")

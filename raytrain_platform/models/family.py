@@ -1,0 +1,253 @@
+"""The model-family interface: everything the rest of the platform needs to know of a
+model, answered in one place (torchtitan's ``TrainSpec`` is the pattern).
+
+A family says how to build its module (on the meta device when weights will be loaded
+into shards), what its task is and how its outputs become a loss, which repeated blocks
+FSDP shards and activation checkpointing wraps, its tensor-parallel plan and pipeline
+split (or a clear error naming the family), its shapes for ``rtp plan``, its
+checkpoint key names for export, and how it is served. Nothing outside ``models/``
+tests a model's name: config, resolve, parallel/, plan/ and serve/ ask the family
+(`raytrain_platform.models.registry.get_family`).
+
+No torch at module level (the config layer validates through families before
+anything is imported); no Ray and no torch.distributed anywhere in models/.
+
+>>> from raytrain_platform.models.registry import get_family
+>>> fam = get_family("gpt")
+>>> kw = fam.resolve_kwargs({"n_layer": 1})
+>>> fam.resolve_task(kw, None), fam.default_seq_len(kw), fam.serving(kw, "lm").endpoint
+('lm', 64, 'generate')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from raytrain_platform.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from raytrain_platform.models.shapes import ModelShape
+
+__all__ = ["ModelFamily", "PipelineLayout", "ServingSpec", "TASKS", "find_blocks", "logits_of"]
+
+TASKS = ("classification", "regression", "lm")
+
+# Tensor-parallel plan entries: module FQN -> one of these kinds; parallel/tp.py turns
+# each into a DTensor ParallelStyle (the family itself never imports torch.distributed).
+TP_KINDS = (
+    "colwise",  # output features split (q/k/v, MLP up/gate): no communication in forward
+    "rowwise",  # input features split (attention out, MLP down): partial sums all-reduced
+    "embedding",  # vocabulary rows split; the output is whole (or sequence-sharded with SP)
+    "position_embedding",  # learned positions, split like the token embedding
+    "head",  # LM head, vocabulary columns split, logits gathered for the loss
+    "norm",  # replicated parameters (or run on sequence shards with SP)
+    "sequence_gather",  # with SP only: gather the sequence before attention / the MLP
+)
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """How a model splits into pipeline stages: the attribute holding its blocks (a
+    ModuleDict keyed "0".."L-1"), and the attributes that live on the first and the
+    last stage. A stage's forward must skip the ends it lacks (set to None)."""
+
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    """How a model is served: the endpoint (``predict`` for tabular rows, ``generate``
+    for text), what a request's input must look like, and (generate) the context."""
+
+    endpoint: str  # "predict" | "generate"
+    inputs: dict = field(default_factory=dict)  # shown in GET /v1/models; checked per request
+    context_len: int = 0  # generate: tokens of context the model sees
+
+
+class ModelFamily:
+    """Base class of the families. Subclasses set `name` and override what they have;
+    the defaults describe a model with no parallel plan, no planner shape and the
+    model's own parameter names as its checkpoint keys."""
+
+    name: str = ""
+    description: str = ""
+    # Whether its modules have repeated blocks to shard and checkpoint (mlp: none).
+    has_blocks: bool = True
+
+    # ---- config: kwargs, task, sequence length ------------------------------------
+    def resolve_kwargs(self, kwargs: Any) -> dict:
+        """Defaults filled in and every key checked; `ConfigError` naming the key."""
+        if not isinstance(kwargs, dict):
+            raise ConfigError("model.kwargs", kwargs, "a mapping")
+        return dict(kwargs)
+
+    def resolve_task(self, kwargs: dict, requested: str | None) -> str:
+        """The task (classification | regression | lm); `requested` is ``model.task``."""
+        if requested is not None and requested not in TASKS:
+            raise ConfigError("model.task", requested, f"one of {list(TASKS)}")
+        return requested or "classification"
+
+    def default_seq_len(self, kwargs: dict) -> int | None:
+        """Tokens per sample when ``data.seq_len`` is not set (lm); None: it must be."""
+        return None
+
+    def max_seq_len(self, kwargs: dict) -> int | None:
+        """The longest context the model takes (positions it has), if it has a limit."""
+        return None
+
+    def needs_data(self, kwargs: dict) -> bool:
+        """Whether `fill_from_data` must run before the model can be built or planned."""
+        return False
+
+    def fill_from_data(self, kwargs: dict, *, num_features: int, num_classes: int,
+                       task: str) -> dict:
+        """kwargs the data decides (the mlp's input and output sizes); default: none."""
+        return kwargs
+
+    def check_model_parallel(self, kwargs: dict, *, tp: int, pp: int, stages: int,
+                             pp_split: list[int] | None) -> None:
+        """A `ConfigError` when this model cannot be split ``tp`` x ``pp`` ways."""
+        if tp * pp > 1:
+            field_, value = ("parallel.tp_size", tp) if tp > 1 else ("parallel.pp_size", pp)
+            raise ConfigError(field_, value, f"1 for model '{self.name}' (tensor/pipeline parallel plans "
+                              f"exist for {self._families_with_plans()})")
+
+    @staticmethod
+    def _families_with_plans() -> str:
+        from raytrain_platform.models.registry import FAMILIES
+
+        names = [n for n, f in FAMILIES.items()
+                 if type(f).check_model_parallel is not ModelFamily.check_model_parallel]
+        return ", ".join(names)
+
+    def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: bool) -> None:
+        """What can be checked before Ray starts (user builders: import, kwargs, type)."""
+
+    # ---- the module ------------------------------------------------------------------
+    def build(self, kwargs: dict, *, device: "str | torch.device | None" = None) -> "nn.Module":
+        """The module, initialised, on `device` (default CPU). On ``"meta"`` no memory is
+        allocated: ``to_empty(device=...)`` then `init_weights`, or load weights."""
+        raise NotImplementedError
+
+    def init_weights(self, model: "nn.Module") -> None:
+        """Initialise a model built on the meta device after ``to_empty``."""
+        reset = getattr(model, "reset_parameters", None)
+        if reset is None:
+            raise ConfigError("model.name", self.name, "a model with reset_parameters() to be "
+                              "initialised after a meta-device build")
+        reset()
+
+    def blocks(self, model: "nn.Module", *, block_class: str | None = None) -> list[tuple[str, "nn.Module"]]:
+        """The repeated blocks: each is an FSDP unit and an activation-checkpointing unit."""
+        return find_blocks(model, block_class=block_class)
+
+    def logits(self, output: Any) -> "torch.Tensor":
+        """The logits of a forward's output (a tensor, or an output with ``.logits``)."""
+        return logits_of(output, self.name)
+
+    # ---- parallel plans ----------------------------------------------------------------
+    def tp_plan(self, model: "nn.Module", kwargs: dict) -> dict[str, str]:
+        """Module FQN -> one of `TP_KINDS`."""
+        raise ConfigError("parallel.tp_size", "> 1", f"1 for model '{self.name}' (it has no "
+                          "tensor-parallel plan)")
+
+    def pipeline_layout(self) -> PipelineLayout:
+        raise ConfigError("parallel.pp_size", "> 1", f"1 for model '{self.name}' (it has no "
+                          "pipeline split)")
+
+    def num_blocks(self, kwargs: dict) -> int | None:
+        return None
+
+    # ---- planner, export, serving --------------------------------------------------------
+    def shape(self, kwargs: dict) -> "ModelShape":
+        """The model as `rtp plan` sees it; `ConfigError` when the family cannot say."""
+        raise ConfigError("model.name", self.name, "a model family with a planner shape "
+                          f"({self._families_with_shapes()}); for another model use rtp plan "
+                          "--params/--layers/--hidden/--seq-len")
+
+    def planner_kwargs(self, *, layers: int | None, hidden: int | None, heads: int | None,
+                       seq_len: int | None) -> dict:
+        """kwargs for ``rtp plan --model NAME --layers/--hidden/--heads/--seq-len``."""
+        raise ConfigError("--model", self.name, "a family with planner sizes")
+
+    @staticmethod
+    def _families_with_shapes() -> str:
+        from raytrain_platform.models.registry import FAMILIES
+
+        return ", ".join(n for n, f in FAMILIES.items() if type(f).shape is not ModelFamily.shape)
+
+    def export_state_dict(self, state: dict[str, "torch.Tensor"], kwargs: dict) -> dict[str, "torch.Tensor"]:
+        """The checkpoint's tensors under the names an export uses (default: as trained)."""
+        return state
+
+    def serving(self, kwargs: dict, task: str) -> ServingSpec:
+        """How it is served; by default tabular tasks through ``predict``."""
+        if task == "lm":
+            raise ConfigError("model.name", self.name, "a model family that can generate text "
+                              "to serve an lm model")
+        return ServingSpec("predict", {"num_features": kwargs.get("input_dim"),
+                                       "num_outputs": kwargs.get("num_outputs")})
+
+
+def logits_of(output: Any, model_name: str) -> "torch.Tensor":
+    """A tensor as it is; a Hugging Face-style output (an object or dict with ``logits``)
+    by its logits. Anything else is one line naming the model and what it returned."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    what = type(output).__name__
+    if isinstance(output, dict):
+        what += f" with keys {sorted(map(str, output))[:6]}"
+    raise ConfigError("model.name", model_name, f"a module whose forward returns logits (a tensor) or an "
+                      f"output with .logits; it returned {what}")
+
+
+def find_blocks(model: "nn.Module", *, block_class: str | None = None) -> list[tuple[str, "nn.Module"]]:
+    """The model's repeated blocks: every outermost module of class `block_class`, or
+    else the children of its largest ``ModuleList``/``ModuleDict`` whose children all
+    share one class (a transformer's layers). ``[]`` when it has none.
+
+    >>> from torch import nn
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.stem = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])
+    ...         self.layers = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
+    >>> [name for name, _ in find_blocks(Net())]
+    ['layers.0', 'layers.1', 'layers.2']
+    >>> [name for name, _ in find_blocks(Net(), block_class="ReLU")]
+    ['stem.1']
+    """
+    from torch import nn
+
+    if block_class is not None:
+        found: list[tuple[str, nn.Module]] = []
+        for name, module in model.named_modules():
+            inside = any(name.startswith(f"{outer}.") for outer, _ in found)
+            if type(module).__name__ == block_class and not inside and module is not model:
+                found.append((name, module))
+        if not found:
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError("model.block_class", block_class,
+                              f"the class name of the model's repeated blocks; its modules are {classes}")
+        return found
+    best: tuple[str, nn.Module] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
+            continue
+        if len({type(child) for child in module.children()}) == 1 and (best is None or len(module) > len(best[1])):
+            best = (name, module)
+    if best is None:
+        return []
+    prefix = f"{best[0]}." if best[0] else ""
+    return [(prefix + child, m) for child, m in best[1].named_children()]

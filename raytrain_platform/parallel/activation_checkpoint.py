@@ -1,0 +1,29 @@
+"""Activation checkpointing per block: each block's activations are dropped after its
+forward and recomputed in backward (memory for compute), on the blocks the model's
+family names (`ModelFamily.blocks`).
+
+``checkpoint_wrapper`` keeps state_dict keys unchanged (its hooks strip the wrapper
+prefix), so checkpoints load with or without it.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+__all__ = ["apply_activation_checkpointing"]
+
+
+def apply_activation_checkpointing(model: nn.Module, *, blocks: list[tuple[str, nn.Module]]) -> None:
+    """Wrap each of `blocks` (``(fully qualified name, module)``) in place."""
+    for fqn, block in blocks:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        # preserve_rng_state: the recomputed forward draws the same dropout masks.
+        wrapped = checkpoint_wrapper(block, preserve_rng_state=True)
+        if isinstance(parent, nn.ModuleList):
+            parent[int(child)] = wrapped
+        elif isinstance(parent, nn.ModuleDict):
+            parent[child] = wrapped
+        else:
+            setattr(parent, child, wrapped)

@@ -1,0 +1,80 @@
+"""The one place parallelism is composed, in torchtitan's order (``parallelize_llama``):
+pipeline split, then tensor parallel, then activation checkpointing, then FSDP or DDP.
+Strategy files do not call each other; what the model contributes (its blocks, its
+tensor-parallel plan, its pipeline split) comes from its family (models/family.py).
+
+    par = parallelize(model, env=env, cfg=cfg.parallel, family=get_family("gpt"),
+                      model_kwargs=cfg.model.kwargs)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from torch import nn
+
+from raytrain_platform.parallel.base import Parallelized
+from raytrain_platform.parallel.dims import ParallelDims
+from raytrain_platform.parallel.registry import get_strategy
+
+if TYPE_CHECKING:
+    from raytrain_platform.models.family import ModelFamily
+
+__all__ = ["parallelize"]
+
+Blocks = Callable[[nn.Module], list[tuple[str, nn.Module]]]
+
+
+def parallelize(model: nn.Module, *, env, cfg, family: "ModelFamily", model_kwargs: dict,
+                block_class: str | None = None) -> Parallelized:
+    """`model` (on its device) -> `Parallelized` for the `ParallelConfig` `cfg`."""
+    def blocks(m: nn.Module) -> list[tuple[str, nn.Module]]:
+        return family.blocks(m, block_class=block_class)
+
+    if cfg.tp_size * cfg.pp_size == 1:  # data parallel (or none) over every rank
+        if cfg.activation_checkpointing:
+            from raytrain_platform.parallel.activation_checkpoint import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model, blocks=blocks(model))
+        return get_strategy(cfg.strategy).load()(model, env=env, cfg=cfg, blocks=blocks(model))
+    from raytrain_platform.parallel.mesh import build_mesh
+
+    dims = ParallelDims(dp=env.world_size // (cfg.tp_size * cfg.pp_size), tp=cfg.tp_size, pp=cfg.pp_size)
+    mesh = build_mesh(env, dims)
+    if cfg.pp_size > 1:
+        from raytrain_platform.parallel.pp import apply_pp
+
+        return apply_pp(model, env=env, cfg=cfg, mesh=mesh, layout=family.pipeline_layout(),
+                        data_parallel=lambda part: _stage_data_parallel(part, env=env, cfg=cfg, mesh=mesh,
+                                                                        blocks=blocks))
+    return _tensor_parallel(model, env=env, cfg=cfg, mesh=mesh, plan=family.tp_plan(model, model_kwargs),
+                            blocks=blocks)
+
+
+def _tensor_parallel(model: nn.Module, *, env, cfg, mesh, plan: dict[str, str], blocks: Blocks) -> Parallelized:
+    """TP over ``mesh["tp"]``, then (dp > 1) FSDP over ``mesh["dp"]``: TP'd parameters
+    become 2-D DTensors (Shard over dp, Shard/Replicate over tp)."""
+    from raytrain_platform.parallel.grads import clip_grad_norm
+    from raytrain_platform.parallel.tp import apply_tp
+
+    dp = mesh["dp"].size()
+    # Alone, TP reshards its embeddings' gradients itself; under FSDP its reduce-scatter does.
+    apply_tp(model, mesh=mesh["tp"], plan=plan, sequence_parallel=cfg.sequence_parallel,
+             reshard_grads=dp == 1)
+    if dp > 1:
+        par = get_strategy("fsdp").load()(model, env=env, cfg=cfg, mesh=mesh["dp"], blocks=blocks(model))
+    else:
+        par = Parallelized(module=model, base=model)
+    par.sharded = True  # DTensor shards: checkpoint with DCP
+    par.clip_grad_norm = lambda max_norm: clip_grad_norm(model.parameters(), max_norm)
+    return par
+
+
+def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks) -> Parallelized:
+    """A pipeline stage over the data-parallel ranks: FSDP over ``mesh["dp"]``; or for
+    'ddp', a replica whose gradients the pipeline runner all-reduces once per optimizer
+    step (a stage wrapped in DistributedDataParallel hung in its first p2p exchange under
+    gloo, torch 2.13)."""
+    if mesh["dp"].size() > 1 and cfg.strategy == "fsdp":
+        return get_strategy("fsdp").load()(part, env=env, cfg=cfg, mesh=mesh["dp"], blocks=blocks(part))
+    return Parallelized(module=part, base=part)

@@ -1,0 +1,323 @@
+"""JSONL instruction data (`data/jsonl.py`) and the offline tiny LLM maker
+(`tools/tiny_llm.py`), with a real tokenizer, model and data: no Ray, no mocks, no hub."""
+
+import os
+
+# Before transformers is imported: nothing in this file may reach a model hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from raytrain_platform.data.jsonl import (  # noqa: E402
+    JsonlSpec, check_fits, count_windows, encode_record, iter_windows, jsonl_files,
+    jsonl_windows, load_tokenizer)
+from raytrain_platform.data.sources import split_mask  # noqa: E402
+from raytrain_platform.errors import ConfigError, DataError  # noqa: E402
+from raytrain_platform.tools import tiny_llm  # noqa: E402
+
+SEQ_LEN = 65
+EOS = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    return tiny_llm.make_all(tmp_path_factory.mktemp("tiny"), samples=300)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny["tokenizer"]), local_files_only=True)
+
+
+def spec_for(tiny, fmt: str, **kw) -> JsonlSpec:
+    args = dict(path=str(tiny[fmt]), format=fmt, tokenizer=str(tiny["tokenizer"]),
+                seq_len=SEQ_LEN, val_fraction=0.2)
+    return JsonlSpec(**{**args, **kw})
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_records(path: Path, file_index: int = 0, val_fraction: float = 0.2) -> list[dict]:
+    rows = records(path)
+    ids = (np.int64(file_index) << np.int64(32)) | np.arange(len(rows), dtype=np.int64)
+    return [r for r, keep in zip(rows, split_mask(ids, val_fraction, "train")) if keep]
+
+
+def write(path: Path, lines: list[str]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# ---------------------------------------------------------------- tiny LLM artifacts
+
+
+def test_tokenizer_loads_with_chat_template(tiny, tok, tmp_path):
+    assert tok.eos_token == EOS and tok.pad_token == EOS and len(tok) == 512
+    messages = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+    assert tok.apply_chat_template(messages, tokenize=False) == (
+        "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n")
+    assert tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")
+    text = "def f(x):\n    return x  # ünïcode"
+    assert tok.decode(tok(text)["input_ids"]) == text
+    tiny_llm.make_tokenizer(tmp_path)  # deterministic: same stdlib, same tokenizer
+    assert (tmp_path / "tokenizer.json").read_bytes() == (tiny["tokenizer"] / "tokenizer.json").read_bytes()
+
+
+def test_model_loads_and_predicts(tiny, tok):
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny["model"]), local_files_only=True)
+    cfg = model.config
+    assert cfg.model_type == "llama" and cfg.num_key_value_heads < cfg.num_attention_heads
+    assert not cfg.tie_word_embeddings and cfg.vocab_size == len(tok)
+    ids = torch.tensor([tok("import os")["input_ids"][:3]] * 2)
+    with torch.no_grad():
+        assert model(ids).logits.shape == (2, ids.shape[1], len(tok))
+    gen = GenerationConfig.from_pretrained(str(tiny["model"]), local_files_only=True)
+    assert gen.eos_token_id == [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_sharded_save_has_index_and_same_weights(tiny, tok, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tiny_llm.make_model(tmp_path, vocab_size=len(tok), max_shard_size="100KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    sharded = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).state_dict()
+    whole = AutoModelForCausalLM.from_pretrained(str(tiny["model"]), local_files_only=True).state_dict()
+    assert sharded.keys() == whole.keys()
+    assert all(torch.equal(sharded[k], whole[k]) for k in whole)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_architectures(arch, tmp_path):
+    from transformers import AutoConfig
+
+    tiny_llm.make_model(tmp_path, arch=arch, vocab_size=300, num_layers=1)
+    cfg = AutoConfig.from_pretrained(str(tmp_path), local_files_only=True)
+    assert (cfg.model_type, cfg.num_key_value_heads, cfg.num_hidden_layers) == (arch, 2, 1)
+
+
+def test_instruction_data_is_real_docstrings(tiny):
+    chat, pc, text = (records(tiny[k]) for k in ("chat", "prompt_completion", "text"))
+    assert len(chat) == len(pc) == len(text) == 300
+    first = chat[0]["messages"]
+    assert first[0]["content"].startswith("What does `") and first[1]["role"] == "assistant"
+    assert pc[0] == {"prompt": first[0]["content"] + "\n", "completion": first[1]["content"]}
+    assert text[0] == {"text": first[1]["content"]}
+    assert len({r["messages"][0]["content"] for r in chat}) > 250  # mostly distinct questions
+
+
+def test_cli_rejects_bad_args_in_one_line(capsys, tmp_path):
+    out = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as exc:
+        tiny_llm.main([out, "--arch", "gpt2"])
+    assert exc.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert tiny_llm.main([out, "--heads", "3"]) == 2  # 64 is not divisible by 3
+    err = capsys.readouterr().err.strip()
+    assert "num_heads = 3" in err and len(err.splitlines()) == 1
+    assert not os.path.exists(out)  # checked before anything is written
+
+
+# ---------------------------------------------------------------- windows
+
+
+def rendered(record: dict, fmt: str, tok) -> str:
+    if fmt == "text":
+        return record["text"]
+    if fmt == "prompt_completion":
+        return record["prompt"] + record["completion"]
+    return tok.apply_chat_template(record["messages"], tokenize=False)
+
+
+@pytest.mark.parametrize("fmt", ["text", "prompt_completion", "chat"])
+def test_windows_pack_documents_in_order(tiny, tok, fmt):
+    spec = spec_for(tiny, fmt)
+    (path,) = jsonl_files(spec)
+    train = jsonl_windows(0, path, spec, "train")
+    assert train["tokens"].dtype == np.int32 and train["loss_mask"].dtype == np.uint8
+    assert train["sample_id"].dtype == np.int64
+    n = train["tokens"].shape[0]
+    assert n > 10 and train["tokens"].shape == train["loss_mask"].shape == (n, SEQ_LEN)
+    # Concatenated, the windows are the train documents in file order, EOS after each.
+    flat = train["tokens"].ravel()
+    ends = np.flatnonzero(flat == tok.eos_token_id)
+    assert len(ends) > 20
+    docs = np.split(flat, ends + 1)[: len(ends)]
+    expected = [rendered(r, fmt, tok) for r in train_records(tiny[fmt])[: len(ends)]]
+    assert [tok.decode(d[:-1]) for d in docs] == expected
+
+
+@pytest.mark.parametrize("fmt", ["text", "chat"])
+def test_windows_ids_split_and_determinism(tiny, fmt):
+    spec = spec_for(tiny, fmt)
+    (path,) = jsonl_files(spec)
+    train, val = (jsonl_windows(3, path, spec, s) for s in ("train", "val"))
+    ids = np.concatenate([train["sample_id"], val["sample_id"]])
+    assert len(np.unique(ids)) == len(ids) and set(ids >> 32) == {3}
+    assert not set(train["sample_id"]) & set(val["sample_id"])
+    assert 0.1 < len(val["sample_id"]) / len(ids) < 0.3  # val_fraction 0.2
+    again = jsonl_windows(3, path, spec, "train")
+    assert all(np.array_equal(train[k], again[k]) for k in train)
+    # The split hashes the file index too: count what file 0 holds.
+    counts = [len(jsonl_windows(0, path, spec, s)["sample_id"]) for s in ("train", "val")]
+    assert count_windows(spec) == tuple(counts)
+    none = jsonl_windows(0, path, spec_for(tiny, fmt, val_fraction=0.0), "val")
+    assert none["tokens"].shape == (0, SEQ_LEN)
+
+
+def test_prompt_completion_mask_is_the_completion(tiny, tok):
+    spec = spec_for(tiny, "prompt_completion")
+    first = jsonl_windows(0, jsonl_files(spec)[0], spec, "train")
+    tokens, mask = first["tokens"][0], first["loss_mask"][0]
+    end = int(np.flatnonzero(tokens == tok.eos_token_id)[0]) + 1  # first document
+    record = train_records(tiny["prompt_completion"])[0]
+    assert tok.decode(tokens[:end][mask[:end] == 1]) == record["completion"] + EOS
+    assert tok.decode(tokens[:end][mask[:end] == 0]) == record["prompt"]
+
+
+def test_chat_mask_is_exactly_the_assistant_turns(tiny, tok):
+    spec = spec_for(tiny, "chat")
+    first = jsonl_windows(0, jsonl_files(spec)[0], spec, "train")
+    tokens, mask = first["tokens"][0], first["loss_mask"][0]
+    end = int(np.flatnonzero(tokens == tok.eos_token_id)[0]) + 1
+    user, assistant = train_records(tiny["chat"])[0]["messages"]
+    trained = tok.decode(tokens[:end][mask[:end] == 1])
+    assert trained == assistant["content"] + "<|im_end|>\n"  # the turn and its end marker
+    assert user["content"] not in trained
+    # Several turns: each assistant turn is in, nothing else, and EOS is not a target.
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Sum?"},
+                {"role": "assistant", "content": " 1 + 2 = 3"}]
+    ids, m = encode_record(tok, {"messages": messages}, spec)
+    assert len(ids) == len(m) and ids[-1] == tok.eos_token_id and m[-1] == 0
+    picked = [i for i, keep in zip(ids, m) if keep]
+    assert tok.decode(picked) == "Hello!<|im_end|>\n 1 + 2 = 3<|im_end|>\n"
+
+
+def test_text_mask_covers_everything(tiny, tok):
+    spec = spec_for(tiny, "text")
+    ids, mask = encode_record(tok, {"text": "hello world"}, spec)
+    assert tok.decode(ids) == "hello world" + EOS and mask == [1] * len(ids)
+
+
+# ---------------------------------------------------------------- files and errors
+
+
+def test_folder_sorted_recursive_and_file_uri(tiny, tok, tmp_path):
+    rows = records(tiny["text"])
+    for name, part in (("b.jsonl", rows[100:200]), ("a.jsonl", rows[:100]),
+                       ("sub/c.jsonl", rows[200:])):
+        write(tmp_path / name, [json.dumps(r) for r in part])
+    (tmp_path / "notes.txt").write_text("ignored")
+    spec = spec_for(tiny, "text", path=str(tmp_path))
+    files = jsonl_files(spec)
+    assert files == [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl", "sub/c.jsonl")]
+    batches = list(iter_windows(spec, "train"))
+    assert [set(b["sample_id"] >> 32) for b in batches] == [{0}, {1}, {2}]
+    first_doc = batches[0]["tokens"].ravel()
+    end = int(np.flatnonzero(first_doc == tok.eos_token_id)[0])
+    assert tok.decode(first_doc[:end]) == train_records(tmp_path / "a.jsonl")[0]["text"]
+    uri_spec = spec_for(tiny, "text", path=tmp_path.as_uri())
+    uri_files = jsonl_files(uri_spec)
+    assert uri_files == [(tmp_path / n).as_uri() for n in ("a.jsonl", "b.jsonl", "sub/c.jsonl")]
+    via_uri = jsonl_windows(1, uri_files[1], uri_spec, "train")
+    assert np.array_equal(via_uri["tokens"], batches[1]["tokens"])
+
+
+def test_missing_or_empty_paths(tiny, tmp_path):
+    with pytest.raises(DataError, match="no such file or folder") as exc:
+        jsonl_files(spec_for(tiny, "text", path=str(tmp_path / "nope")))
+    assert "nope" in one_line(exc)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="holds no .jsonl files"):
+        jsonl_files(spec_for(tiny, "text", path=str(tmp_path / "empty")))
+    (tmp_path / "zero.jsonl").write_text("")
+    with pytest.raises(DataError, match="zero.jsonl.*empty"):
+        jsonl_files(spec_for(tiny, "text", path=str(tmp_path / "zero.jsonl")))
+    short = write(tmp_path / "short.jsonl", ['{"text": "hi"}'])
+    with pytest.raises(DataError, match="no training window"):
+        count_windows(spec_for(tiny, "text", path=short))
+
+
+BAD_LINES = [
+    ("text", ['{"text": "ok"}', "", "{not json"], 3, "not valid JSON"),
+    ("text", ['{"text": "ok"}', '{"txt": "oops"}'], 2, "expected a string field 'text'.*missing"),
+    ("text", ['["a list"]'], 1, "expected a JSON object, got list"),
+    ("prompt_completion", ['{"prompt": "q", "completion": 3}'], 1, "'completion'.*got int"),
+    ("chat", ['{"messages": [{"role": "user", "content": "q"}]}'], 1, "role 'assistant'"),
+    ("chat", ['{"messages": []}'], 1, "non-empty list"),
+    ("chat", ['{"messages": [{"role": "assistant"}]}'], 1, "message 0"),
+]
+
+
+@pytest.mark.parametrize("fmt,lines,line_no,match", BAD_LINES)
+def test_bad_records_name_file_and_line(tiny, tmp_path, fmt, lines, line_no, match):
+    path = write(tmp_path / "bad.jsonl", lines)
+    spec = spec_for(tiny, fmt, path=path)
+    for split in ("train", "val"):  # a bad line fails both splits, wherever it falls
+        with pytest.raises(DataError, match=match) as exc:
+            jsonl_windows(0, path, spec, split)
+        assert one_line(exc).startswith(f"{path}:{line_no}: ")
+
+
+def test_tokenizer_errors(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="data.tokenizer") as exc:
+        load_tokenizer(str(tmp_path / "missing"), need_chat_template=False)
+    assert "missing" in one_line(exc)
+    (tmp_path / "no_files").mkdir()
+    with pytest.raises(ConfigError, match="tokenizer files"):
+        load_tokenizer(str(tmp_path / "no_files"), need_chat_template=False)
+    plain = tmp_path / "plain"  # the same tokenizer without its chat template
+    plain.mkdir()
+    shutil.copy(tiny["tokenizer"] / "tokenizer.json", plain)
+    config = json.loads((tiny["tokenizer"] / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(str(plain), need_chat_template=False).eos_token == EOS
+    with pytest.raises(ConfigError, match="chat_template for data.format chat") as exc:
+        jsonl_windows(0, str(tiny["chat"]), spec_for(tiny, "chat", tokenizer=str(plain)), "train")
+    one_line(exc)
+
+
+def test_check_fits(tiny):
+    spec = spec_for(tiny, "text", seq_len=257)
+    check_fits(spec, vocab_size=512, max_positions=256)  # exactly fits
+    check_fits(spec, vocab_size=None, max_positions=None)
+    with pytest.raises(ConfigError, match="data.tokenizer.*vocab_size 500.*has 512") as exc:
+        check_fits(spec, vocab_size=500, max_positions=256)
+    one_line(exc)
+    with pytest.raises(ConfigError, match="data.seq_len = 258") as exc:
+        check_fits(spec_for(tiny, "text", seq_len=258), vocab_size=512, max_positions=256)
+    one_line(exc)
+
+
+def test_spec_rejects_bad_values(tiny):
+    with pytest.raises(ConfigError, match="data.format = 'csv'"):
+        spec_for(tiny, "text", format="csv")
+    with pytest.raises(ConfigError, match="data.seq_len"):
+        spec_for(tiny, "text", seq_len=1)

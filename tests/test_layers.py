@@ -1,0 +1,127 @@
+"""Imports point one way: each layer of the package imports only from itself and the
+layers below it (ARCHITECTURE.md), and nothing outside models/ tests a model's name.
+
+Every import counts: module level, inside functions, under ``TYPE_CHECKING``, and
+module paths handed to ``importlib`` as strings ("pkg.module" or "pkg.module:fn").
+Pure AST, no imports of the package: under a second.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "raytrain_platform"
+
+# Top to bottom. A layer is a top-level module or subpackage of raytrain_platform.
+LAYERS: list[set[str]] = [
+    {"__main__"},  # python -m raytrain_platform
+    {"cli"},  # the rtp command: parse, call the API, exit codes
+    {"__init__"},  # the public API (re-exports, lazily)
+    {"tune", "serve", "doctor", "tools"},  # sweeps, HTTP, measured advice, offline makers
+    {"launch"},  # the only place that builds TorchTrainer and datasets
+    {"export"},  # checkpoints -> served / exported models
+    {"core"},  # the training engine, checkpoints, the run directory (Ray-free)
+    {"resolve"},  # config + data -> a runnable job
+    {"plan"},  # the memory model and decision guide
+    {"data"},  # sources, Ray Data pipelines, dealing
+    {"config"},  # typed config and validation (no torch)
+    {"parallel"},  # one file per strategy, composed in parallel/compose.py
+    {"models"},  # model families
+    {"units", "_version"},
+    {"errors"},
+]
+_MODULE_STRING = re.compile(r"^raytrain_platform(\.\w+)+(:\w+)?$")
+
+
+def _layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _rank(layer: str) -> int:
+    for i, members in enumerate(LAYERS):
+        if layer in members:
+            return i
+    raise AssertionError(f"layer {layer!r} is not placed in LAYERS (tests/test_layers.py)")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1] if len(parts) > 2 else [parts[0], "__init__"]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_STRING.match(node.value):
+            found.append((node.value.partition(":")[0], node.lineno))
+    return [(m, line) for m, line in found if m == "raytrain_platform" or m.startswith("raytrain_platform.")]
+
+
+def _edges() -> list[tuple[str, str, str]]:
+    """(importing layer, imported layer, where) for every cross-layer import."""
+    edges = []
+    for path in sorted(PKG.rglob("*.py")):
+        here = _layer_of(_module_name(path))
+        for target, line in _imports(path):
+            there = _layer_of(target) if target != "raytrain_platform" else "__init__"
+            if there != here:
+                edges.append((here, there, f"{path.relative_to(PKG.parent)}:{line} imports {target}"))
+    return edges
+
+
+def test_every_layer_is_placed():
+    layers = {_layer_of(_module_name(p)) for p in PKG.rglob("*.py")}
+    for layer in layers:
+        _rank(layer)
+
+
+def test_imports_point_down_only():
+    upward = [where for here, there, where in _edges() if _rank(there) <= _rank(here)]
+    assert not upward, "imports that point up or sideways between layers:\n" + "\n".join(upward)
+
+
+def test_no_cycles_between_layers():
+    graph: dict[str, set[str]] = {}
+    for here, there, _ in _edges():
+        graph.setdefault(here, set()).add(there)
+    cycles = sorted({tuple(sorted((a, b))) for a, targets in graph.items() for b in targets
+                     if a in graph.get(b, set())})
+    assert not cycles, f"layers importing each other: {cycles}"
+
+
+def test_the_check_sees_function_level_and_type_only_imports(tmp_path):
+    """The detector itself: hidden imports count (the cycles seen before were hidden so)."""
+    src = tmp_path / "raytrain_platform" / "models" / "x.py"
+    src.parent.mkdir(parents=True)
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from raytrain_platform.config import JobConfig\n"
+                   "def f():\n    import raytrain_platform.launch.trainer\n"
+                   "TARGET = 'raytrain_platform.serve.app:api'\n")
+    assert [m for m, _ in _imports(src)] == ["raytrain_platform.config", "raytrain_platform.launch.trainer",
+                                             "raytrain_platform.serve.app"]
+
+
+_NAME_TEST = re.compile(r"""(==|!=|\bin)\s*\(?\s*["'](gpt|mlp)["']|["'](gpt|mlp)["']\s*(==|!=)""")
+
+
+def test_nothing_outside_models_tests_a_model_name():
+    hits = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.relative_to(PKG).parts[0] == "models":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if _NAME_TEST.search(code) or re.search(r"""\(\s*["']gpt["']\s*,\s*["']mlp["']\s*\)""", code):
+                hits.append(f"{path.relative_to(PKG.parent)}:{i}: {line.strip()}")
+    assert not hits, "model names tested outside models/ (ask the family instead):\n" + "\n".join(hits)
