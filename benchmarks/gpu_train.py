@@ -1,34 +1,49 @@
-"""Tokens/s and MFU of the `gpt` model on one GPU, without Ray: bf16, FSDP2, optional
-`torch.compile`, through the platform's own training engine.
+"""Tokens/s and MFU on one GPU, without Ray: bf16, FSDP2, optional `torch.compile`,
+through the platform's own training engine, for the `gpt` model and a Llama-style
+Hugging Face model (the `hf` family).
 
     torchrun --nproc-per-node 1 benchmarks/gpu_train.py --preset 125m,1b --compile --out gpu.json
+    torchrun --nproc-per-node 1 benchmarks/gpu_train.py --preset llama-1b --compile --out gpu.json
     python benchmarks/gpu_train.py --smoke --out /tmp/gpu-smoke.json   # CPU, tiny, a few steps
+    python benchmarks/gpu_train.py --smoke --preset hf-smoke --out /tmp/gpu-smoke.json   # the hf path
 
-What runs: for each preset, the torchrun core's `Engine` (core/engine.py) builds the
-`gpt` model (models/gpt.py), shards it with the `fsdp` strategy (parallel/fsdp.py,
-FSDP2 ``fully_shard`` per block; on a GPU with ``mixed_precision``: bf16 parameters and
-compute, fp32 gradient reduction; on CPU plain fp32) and the AdamW optimizer, and each
-step is its ``micro_step`` + ``optimizer_step`` (grad clip at 1.0, LR warm-up then
-constant). Batches come from the platform's synthetic LM source (each byte follows the
-previous one by a fixed permutation, 10% noise: learnable), pre-made on the device so
-that the step alone is timed. With ``--compile`` each preset runs eagerly first, then
-with every transformer block compiled (``block.compile()``, the unit FSDP shards).
+What runs: for each preset, the torchrun core's `Engine` (core/engine.py) builds the model
+(models/gpt.py, or models/hf.py from a ``config.json`` written to a temporary folder with
+``init: random``: no weights are written or read), shards it with the `fsdp` strategy
+through parallel/compose.py (FSDP2 ``fully_shard`` per block, a gpt block or a Llama
+decoder layer; on a GPU with ``mixed_precision``: bf16 parameters and compute, fp32
+gradient reduction; on CPU plain fp32) and the AdamW optimizer, and each step is its
+``micro_step`` + ``optimizer_step`` (grad clip at 1.0, LR warm-up then constant). Batches
+come from the platform's synthetic LM source (each byte follows the previous one by a
+fixed permutation, 10% noise: learnable; token ids 0-255, inside any vocabulary),
+pre-made on the device so that the step alone is timed. With ``--compile`` each preset
+runs eagerly first, then with every block compiled (``block.compile()``, the unit FSDP
+shards).
 
 Before training, the device's dense peak is measured: the best of large square bf16
 matmuls (fp32 on CPU). MFU uses MosaicML llm-foundry's formula
 (scripts/train/benchmarking/README.md and collect_results.py in mosaicml/llm-foundry):
 
     flops_per_seq      = 2 * n_params * seq_len                      # a MAC per parameter per token
-    attn_flops_per_seq = n_layers * 2 * 2 * (d_model * seq_len**2)   # Q K^T and A V, forward
+    attn_flops_per_seq = n_layers * 2 * 2 * (d_attn * seq_len**2)    # Q K^T and A V, forward
     mfu = (3 * flops_per_seq + 3 * attn_flops_per_seq) * seq_per_s / (n_gpus * peak_flops)
 
-(3 = forward, backward, weight gradients; n_params is every parameter, as llm-foundry's
-logged count; the causal mask is not discounted.) The peak is this device's measured
-matmul rate, not the datasheet's.
+(3 = forward, backward, weight gradients; the causal mask is not discounted.) Per token
+that is ``6 N + 12 L d_attn T``, the formula of PaLM (Chowdhery et al. 2022, appendix B)
+and torchtitan's ``get_num_flop_per_token``. For the gpt presets N is every parameter
+(llm-foundry's logged count) and ``d_attn = n_embd``. For the Llama presets, grouped-query
+attention and SwiGLU change only which matrices N counts, and N counts them exactly:
+q/o are d x d, k/v are d x (kv_heads x head_dim), the MLP is three d x intermediate
+matrices, all from the built model; ``d_attn = heads x head_dim`` (the query heads: each
+still scores all T keys, GQA only shares K/V between them). N leaves out the input token
+embedding, a lookup with no matmul (as PaLM and torchtitan do); the untied LM head is a
+matmul and counts. The peak is this device's measured matmul rate, not the datasheet's.
 
-Presets: the model is byte-level (vocabulary 256), so embeddings are tiny and the named
-size comes from the blocks: ``125m`` 18 x d 768 (12 heads, 129M parameters), ``1b``
-20 x d 2048 (16 heads, 1.01B), both context 2048. ``smoke``: 2 x d 64, context 32.
+Presets: ``125m`` gpt 18 x d 768 (12 heads, 129M parameters), ``1b`` gpt 20 x d 2048
+(16 heads, 1.01B): byte-level (vocabulary 256), so the named size comes from the blocks;
+``llama-1b``: Llama 16 x d 2048, 32 heads / 8 KV heads (GQA), SwiGLU MLP 8192, vocabulary
+32000, untied head: 1.10B parameters (0.97B in the decoder layers). All at context 2048.
+``smoke`` (gpt 2 x d 64) and ``hf-smoke`` (Llama 2 x d 64, 4 / 2 heads): context 32.
 
 A hard time budget (``--budget-s``, default 260 s from process start) bounds the run:
 a preset run that would not fit is skipped and says so, timed steps stop early when time
@@ -56,24 +71,48 @@ if str(ROOT) not in sys.path:
 
 import torch
 
-PRESETS = {  # model kwargs, micro-batch (sequences), LR, timed steps, warm-up steps
-    "smoke": {"model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32},
-              "batch": 8, "lr": 1e-2, "steps": 6, "warmup": 2},
-    "125m": {"model": {"n_layer": 18, "n_head": 12, "n_embd": 768, "block_size": 2048},
-             "batch": 16, "lr": 6e-4, "steps": 20, "warmup": 5},
-    "1b": {"model": {"n_layer": 20, "n_head": 16, "n_embd": 2048, "block_size": 2048},
-           "batch": 8, "lr": 3e-4, "steps": 15, "warmup": 5},
+# Llama-style shapes for the `hf` family (transformers' LlamaConfig fields).
+LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "intermediate_size": 8192, "vocab_size": 32000, "max_position_embeddings": 2048}
+LLAMA_SMOKE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 32}
+PRESETS = {  # model family and kwargs (gpt) or config (hf), context, micro-batch (sequences), LR, steps
+    "smoke": {"family": "gpt", "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32},
+              "seq_len": 32, "batch": 8, "lr": 1e-2, "steps": 6, "warmup": 2},
+    "125m": {"family": "gpt", "model": {"n_layer": 18, "n_head": 12, "n_embd": 768, "block_size": 2048},
+             "seq_len": 2048, "batch": 16, "lr": 6e-4, "steps": 20, "warmup": 5},
+    "1b": {"family": "gpt", "model": {"n_layer": 20, "n_head": 16, "n_embd": 2048, "block_size": 2048},
+           "seq_len": 2048, "batch": 8, "lr": 3e-4, "steps": 15, "warmup": 5},
+    "hf-smoke": {"family": "hf", "model": LLAMA_SMOKE, "seq_len": 32, "batch": 8, "lr": 1e-2, "steps": 6,
+                 "warmup": 2},
+    # ~0.11 PFLOP per step of 8 x 2048 tokens; params, grads and AdamW state ~18 GB fp32.
+    "llama-1b": {"family": "hf", "model": LLAMA_1B, "seq_len": 2048, "batch": 8, "lr": 3e-4, "steps": 15,
+                 "warmup": 5},
 }
+SMOKE_PRESETS = ("smoke", "hf-smoke")
 # Rough seconds a run needs besides its timed steps (build, warm-up; compile): a run
 # is started only if this much budget is left.
 MIN_LEFT_S = {"eager": 25.0, "compiled": 100.0}
 
 
 def mfu_flops_per_seq(n_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
-    """Training FLOPs per sequence, llm-foundry's formula (see the module docstring)."""
+    """Training FLOPs per sequence, llm-foundry's formula (see the module docstring);
+    `d_model` is the attention width (query heads x head dim)."""
     flops_per_seq = 2 * n_params * seq_len
     attn_flops_per_seq = n_layers * 2 * 2 * (d_model * seq_len**2)
     return 3 * flops_per_seq + 3 * attn_flops_per_seq
+
+
+def flop_shape(family: str, model: "torch.nn.Module", spec: dict) -> dict:
+    """What the MFU formula takes from a built model: the parameters it counts (gpt: all;
+    hf: all but the input token embedding, a lookup), layers and attention width."""
+    n_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
+    if family == "gpt":
+        return {"flops_params": n_params, "n_layers": spec["n_layer"], "d_attn": spec["n_embd"]}
+    lookup = model.get_input_embeddings().weight.numel()
+    head_dim = spec.get("head_dim") or spec["hidden_size"] // spec["num_attention_heads"]
+    return {"flops_params": n_params - lookup, "n_layers": spec["num_hidden_layers"],
+            "d_attn": spec["num_attention_heads"] * head_dim}
 
 
 def measure_peak_tflops(device: torch.device) -> dict:
@@ -97,7 +136,7 @@ def measure_peak_tflops(device: torch.device) -> dict:
         rates[n] = 2 * n**3 * iters / (_now(device) - t0) / 1e12
         del a, b
     return {"dtype": str(dtype).removeprefix("torch."), "tflops_by_size": {str(k): round(v, 2) for k, v in rates.items()},
-            "peak_tflops": round(max(rates.values()), 2)}
+            "peak_tflops": round(max(rates.values()), 2), "peak_flops": max(rates.values()) * 1e12}
 
 
 def _now(device: torch.device) -> float:
@@ -106,13 +145,29 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _job(preset: dict, *, gpu: bool, world: int):
+def write_llama_config(folder: Path, shape: dict) -> Path:
+    """A model folder holding only ``config.json`` (a Llama of `shape`, untied head): the
+    `hf` family builds it with ``init: random``, so no weights are written for 1B."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(tie_word_embeddings=False, **shape).save_pretrained(str(folder))
+    return folder
+
+
+def _model_section(preset: dict, folder: Path) -> dict:
+    if preset["family"] == "gpt":
+        return {"name": "gpt", "kwargs": preset["model"]}
+    return {"name": "hf", "kwargs": {"path": str(write_llama_config(folder, preset["model"])), "init": "random",
+                                     "dtype": "float32", "attn_implementation": "sdpa"}}
+
+
+def _job(preset: dict, *, gpu: bool, world: int, folder: Path):
     from raytrain_platform.config import load_config
     from raytrain_platform.resolve import resolve_job
 
     cfg = {
-        "model": {"name": "gpt", "kwargs": preset["model"]},
-        "data": {"source": "synthetic", "batch_size": preset["batch"],
+        "model": _model_section(preset, folder),
+        "data": {"source": "synthetic", "batch_size": preset["batch"], "seq_len": preset["seq_len"],
                  "num_samples": preset["batch"] * world * 4, "val_fraction": 0.0},
         "train": {"max_steps": preset["warmup"] + preset["steps"], "lr": preset["lr"],
                   "lr_schedule": "constant", "warmup_steps": preset["warmup"], "grad_clip": 1.0},
@@ -132,24 +187,34 @@ def _batches(job, n: int, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(synthetic_rows(torch.arange(n).numpy(), spec)["tokens"]).to(device).long()
 
 
-def train_run(name: str, *, compile_blocks: bool, env, deadline: float) -> dict:
-    """Build, warm up (compiles when asked), time the steps; tokens/s, MFU, losses."""
+def _build(preset: dict, *, compile_blocks: bool, env):
+    """The engine (model sharded, optimizer), its blocks compiled when asked, a pool of
+    batches on the device, and what the MFU formula needs of the model."""
+    import tempfile
+
     from raytrain_platform.core.engine import Engine
 
-    preset = PRESETS[name]
-    job = _job(preset, gpu=env.device.type == "cuda", world=env.world_size)
-    spec = preset["model"]
-    t0 = time.perf_counter()
-    engine = Engine(job, env)
+    with tempfile.TemporaryDirectory(prefix="gpu-train-model-") as folder:  # hf: config.json only
+        job = _job(preset, gpu=env.device.type == "cuda", world=env.world_size, folder=Path(folder))
+        engine = Engine(job, env)
+        pool = _batches(job, min(64, preset["batch"] * 4), env.device)
+    blocks = [block for _, block in engine.family.blocks(engine.par.base)]  # gpt blocks, decoder layers
     if compile_blocks:
         # torchtitan compiles per transformer block (each an FSDP unit); identical blocks
         # share one compiled graph, so every block needs its own cache entry at most.
-        torch._dynamo.config.cache_size_limit = max(64, 2 * spec["n_layer"])
-        for block in engine.par.module.blocks.values():
+        torch._dynamo.config.cache_size_limit = max(64, 2 * len(blocks))
+        for block in blocks:
             block.compile()
+    return engine, pool, flop_shape(preset["family"], engine.par.base, preset["model"])
+
+
+def train_run(name: str, *, compile_blocks: bool, env, deadline: float) -> dict:
+    """Build, warm up (compiles when asked), time the steps; tokens/s, MFU, losses."""
+    preset = PRESETS[name]
+    t0 = time.perf_counter()
+    engine, pool, shape = _build(preset, compile_blocks=compile_blocks, env=env)
     n_params = sum(p.numel() for p in engine.par.module.parameters())
-    B, T = preset["batch"], spec["block_size"]
-    pool = _batches(job, min(64, B * 4), env.device)
+    B, T = preset["batch"], preset["seq_len"]
     build_s = time.perf_counter() - t0
     losses: list[torch.Tensor] = []
 
@@ -172,10 +237,11 @@ def train_run(name: str, *, compile_blocks: bool, env, deadline: float) -> dict:
     elapsed = _now(env.device) - t2
     loss = [float(x) for x in losses]
     seq_per_s = timed * B * env.world_size / elapsed
-    flops = mfu_flops_per_seq(n_params, spec["n_layer"], spec["n_embd"], T)
-    out = {"preset": name, "compile": compile_blocks, "n_params": n_params, **spec,
-           "micro_batch": B, "timed_steps": timed, "step_s": round(elapsed / timed, 4),
+    flops = mfu_flops_per_seq(shape["flops_params"], shape["n_layers"], shape["d_attn"], T)
+    out = {"preset": name, "family": preset["family"], "compile": compile_blocks, "n_params": n_params,
+           **preset["model"], **shape, "seq_len": T, "micro_batch": B, "timed_steps": timed, "step_s": round(elapsed / timed, 4),
            "tokens_per_s": round(seq_per_s * T, 1), "model_tflops_per_s": round(flops * seq_per_s / 1e12, 3),
+           "model_flops_per_s": flops * seq_per_s,
            "build_s": round(build_s, 2), "warmup_s": round(warmup_s, 2),
            "loss_first": round(loss[0], 4), "loss_last": round(loss[-1], 4),
            "losses": [round(x, 3) for x in loss],
@@ -257,16 +323,20 @@ def table(data: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="125m,1b", help=f"comma-separated, of {sorted(PRESETS)}")
+    p.add_argument("--preset", help=f"comma-separated, of {sorted(PRESETS)} (default 125m,1b; with "
+                                    f"--smoke: smoke)")
     p.add_argument("--compile", action="store_true", help="also run each preset with compiled blocks")
-    p.add_argument("--smoke", action="store_true", help="the tiny preset on this machine (CPU is fine)")
+    p.add_argument("--smoke", action="store_true", help=f"tiny presets on this machine (CPU is fine): "
+                                                         f"{', '.join(SMOKE_PRESETS)}")
     p.add_argument("--out", type=Path, help="write the JSON result here")
     p.add_argument("--budget-s", type=float, default=260.0, help="hard limit from process start")
     args = p.parse_args(argv)
-    names = ["smoke"] if args.smoke else [n.strip() for n in args.preset.split(",") if n.strip()]
+    names = [n.strip() for n in (args.preset or ("smoke" if args.smoke else "125m,1b")).split(",") if n.strip()]
     unknown = [n for n in names if n not in PRESETS]
     if unknown:
         p.error(f"unknown preset(s) {unknown}; known: {sorted(PRESETS)}")
+    if args.smoke and set(names) - set(SMOKE_PRESETS):
+        p.error(f"--smoke runs the tiny presets {list(SMOKE_PRESETS)}, not {sorted(set(names) - set(SMOKE_PRESETS))}")
     gpu = torch.cuda.is_available()
     if not gpu:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -276,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     results = Results(args.out, {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device_name, "torch": torch.__version__,
         "cuda": torch.version.cuda, "world_size": env.world_size, "budget_s": args.budget_s,
-        "command": " ".join(sys.argv), "mfu_formula": "llm-foundry: (3*2*n_params*T + 3*4*n_layers*d*T^2) "
-        "* seq_per_s / (n_gpus * measured peak)"}, env.is_rank0)
+        "command": " ".join(sys.argv), "mfu_formula": "llm-foundry: (3*2*flops_params*T + 3*4*n_layers*d_attn*T^2) "
+        "* seq_per_s / (n_gpus * measured peak); flops_params: gpt all parameters, hf all but the "
+        "input embedding"}, env.is_rank0)
     _watchdog(results, deadline + 20)
     peak = measure_peak_tflops(env.device)
     results.write(peak=peak)
@@ -293,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 try:
                     run = train_run(name, compile_blocks=compiled, env=env, deadline=deadline)
-                    run["mfu"] = round(run["model_tflops_per_s"] / (peak["peak_tflops"] * env.world_size), 4)
+                    # Unrounded rates: a tiny CPU run's TFLOP/s rounds to 0.
+                    run["mfu"] = round(run["model_flops_per_s"] / (peak["peak_flops"] * env.world_size), 4)
                     ok &= run["loss_fell"]
                 except Exception as exc:  # noqa: BLE001 - keep the others' figures; report this one
                     run = {"preset": name, "compile": compiled, "error": f"{type(exc).__name__}: {exc}"[:500]}

@@ -2,7 +2,7 @@
 
     rtp validate CONFIG [--set KEY=VALUE ...]
     rtp train CONFIG [--set KEY=VALUE ...] [--address ADDR] [--verbose]
-    rtp export RUN_DIR_OR_CHECKPOINT [--out DIR]
+    rtp export RUN_DIR_OR_CHECKPOINT [--out DIR] [--format safetensors|hf]
     rtp make-data OUT [--rows N] [--features F] [--classes C] [--files K] [--seed S]
     rtp plan [CONFIG] [--model M | --params N ...] --device-mem SIZE [...] [--json]
     rtp sweep SWEEP.yaml [--set KEY=VALUE ...] [--address ADDR] [--verbose]
@@ -62,8 +62,11 @@ def _cmd_make_data(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from raytrain_platform.export import export_checkpoint
 
-    out = export_checkpoint(args.path, args.out)
-    print(f"exported {out}/model.safetensors (+ config.yaml, export.json)")
+    out = export_checkpoint(args.path, args.out, format=args.format, max_shard_size=args.max_shard_size)
+    if args.format == "hf":
+        print(f"exported {out} (Hugging Face layout: config.json, safetensors, tokenizer, export.json)")
+    else:
+        print(f"exported {out}/model.safetensors (+ config.yaml, export.json)")
     return 0
 
 
@@ -104,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="consolidate a checkpoint into one safetensors file for serving")
     p.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
     p.add_argument("--out", default=None, help="output folder (default: <run dir>/export)")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "hf"],
+                   help="safetensors: for rtp serve; hf: a Hugging Face directory (hf models)")
+    p.add_argument("--max-shard-size", default="5GB", help="hf: safetensors shard size (then an index)")
     p.set_defaults(fn=_cmd_export)
     for name, module, add_arguments, run, help_text in _PACKAGE_COMMANDS:
         mod = importlib.import_module(module)  # light: torch and Ray load when the command runs

@@ -81,9 +81,18 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     SECTION: ClassVar[str] = "data"
-    source: str = _REQUIRED  # parquet | synthetic | text
+    source: str = _REQUIRED  # parquet | synthetic | text | jsonl
     batch_size: Union[int, str] = _REQUIRED  # per-worker micro-batch, or "auto" (train.global_batch_size)
-    path: Union[str, None] = None  # parquet folder/URI, text folder (default: Python's stdlib)
+    path: Union[str, None] = None  # parquet/jsonl file, folder or URI; text folder (default: Python's stdlib)
+    # jsonl records: text | prompt_completion | chat (rendered by the tokenizer's chat template)
+    format: str = "text"
+    # A local Hugging Face tokenizer folder (text, jsonl). Default: the model family's own
+    # (an hf model's directory); without one, text is read as bytes and jsonl is refused.
+    tokenizer: Union[str, None] = None
+    text_field: str = "text"  # jsonl field names, per format
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
     feature_columns: Union[list[str], None] = None  # parquet: input columns (default: all but label)
     label_column: str = "label"
     val_path: Union[str, None] = None  # parquet: separate validation data (else val_fraction)
@@ -108,9 +117,23 @@ class DataConfig:
     _ALLOWED: ClassVar[dict[str, str]] = {
         "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)"}
 
+    _SOURCES: ClassVar[tuple[str, ...]] = ("parquet", "synthetic", "text", "jsonl")
+    _FORMATS: ClassVar[tuple[str, ...]] = ("text", "prompt_completion", "chat")  # data/jsonl.py
+    _FIELDS: ClassVar[tuple[str, ...]] = ("text_field", "prompt_field", "completion_field", "messages_field")
+
     def __post_init__(self) -> None:
-        _check(self.source in ("parquet", "synthetic", "text"), "data.source", self.source,
-               "one of ['parquet', 'synthetic', 'text']")
+        _check(self.source in self._SOURCES, "data.source", self.source, f"one of {list(self._SOURCES)}")
+        _check(self.format in self._FORMATS, "data.format", self.format, f"one of {list(self._FORMATS)}")
+        _check(self.format == "text" or self.source == "jsonl", "data.format", self.format,
+               f"'text' for data.source {self.source} (prompt_completion and chat are jsonl formats)")
+        if self.tokenizer is not None:
+            _check(self.source in ("text", "jsonl"), "data.tokenizer", self.tokenizer,
+                   f"null for data.source {self.source} (a tokenizer reads text or jsonl)")
+            _check(bool(self.tokenizer), "data.tokenizer", self.tokenizer, "a tokenizer folder, or null")
+        for name in self._FIELDS:
+            _check(bool(getattr(self, name)), f"data.{name}", getattr(self, name), "a JSON field name")
+        _check(self.source != "jsonl" or bool(self.path), "data.path", self.path,
+               "a .jsonl file, a folder of them or a URI when data.source is jsonl")
         _check(self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
                "data.batch_size", self.batch_size, self._ALLOWED["batch_size"])
         _check(self.source != "parquet" or bool(self.path), "data.path", self.path,
@@ -132,6 +155,13 @@ class DataConfig:
                "data.max_read_rows_per_s", self.max_read_rows_per_s, "a number > 0 or null (no limit)")
         _check(self.feature_columns is None or len(self.feature_columns) > 0,
                "data.feature_columns", self.feature_columns, "a non-empty list of column names or null")
+
+    def tokenizer_for(self, model: ModelConfig) -> str | None:
+        """The tokenizer folder text and jsonl are read with: ``data.tokenizer``, else the
+        model family's own (an hf model's directory); None: text is read as bytes."""
+        if self.source not in ("text", "jsonl"):
+            return None
+        return self.tokenizer or get_family(model.name).default_tokenizer(model.kwargs)
 
 
 @dataclass
@@ -380,12 +410,16 @@ class JobConfig:
         else:
             _check(self.data.seq_len is None, "data.seq_len", self.data.seq_len,
                    f"null for a {task} model (tokens per sample are for lm models)")
-        if self.data.source == "text":
-            _check(task == "lm", "data.source", "text",
-                   f"a tabular source (parquet, synthetic) for a {task} model; text needs an lm model")
+        if self.data.source in ("text", "jsonl"):
+            _check(task == "lm", "data.source", self.data.source, f"a tabular source (parquet, "
+                   f"synthetic) for a {task} model; {self.data.source} needs an lm model")
         elif self.data.source == "parquet":
             _check(task != "lm", "data.source", "parquet",
-                   "'text' or 'synthetic' for an lm model (Parquet input is tabular)")
+                   "'text', 'jsonl' or 'synthetic' for an lm model (Parquet input is tabular)")
+        if self.data.source == "jsonl":
+            _check(self.data.tokenizer_for(self.model) is not None, "data.tokenizer", None,
+                   f"a local tokenizer folder for data.source jsonl (model '{self.model.name}' "
+                   "has no tokenizer of its own)")
 
     @property
     def seq_len(self) -> int | None:

@@ -105,18 +105,28 @@ def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False
     return model, cfg, info
 
 
-def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    """Write ``model.safetensors`` + ``config.yaml`` + ``export.json`` into `out`
-    (default: ``export/`` next to the checkpoint, i.e. in its run directory).
+def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = None, *,
+                      format: str = "safetensors", max_shard_size: str = "5GB") -> Path:
+    """Export the checkpoint of `path` (a run directory: its latest checkpoint; or a
+    checkpoint directory) into `out` (default: ``export/`` in its run directory).
 
-    `path` is a run directory (its latest checkpoint is used) or a checkpoint directory."""
+    ``format="safetensors"``: ``model.safetensors`` (the family's key names) +
+    ``config.yaml`` + ``export.json``, what ``rtp serve`` reads. ``format="hf"`` (hf
+    models): a Hugging Face directory that ``AutoModelForCausalLM.from_pretrained`` and
+    ``AutoTokenizer.from_pretrained`` load, plus ``export.json``."""
+    if format not in ("safetensors", "hf"):
+        raise ConfigError("--format", format, "one of ['safetensors', 'hf']")
     model, cfg, info = load_model_for_inference(path)
+    family = get_family(cfg.model.name)
     ckpt = Path(info["source"])
     target = Path(out) if out is not None else ckpt.parent / "export"
     target.mkdir(parents=True, exist_ok=True)
-    # The family's key names (the model's own for the built-ins and user models).
-    state = get_family(cfg.model.name).export_state_dict(model.state_dict(), cfg.model.kwargs)
-    write_state(target / WEIGHTS_FILE, state, kind="export")
-    (target / CONFIG_FILE).write_text(cfg.to_yaml())
-    write_json(target / EXPORT_INFO_FILE, info)
+    if format == "hf":
+        family.export_hf(model, cfg.model.kwargs, str(target), tokenizer=getattr(cfg.data, "tokenizer", None),
+                         max_shard_size=max_shard_size)
+    else:
+        state = family.export_state_dict(model.state_dict(), cfg.model.kwargs)
+        write_state(target / WEIGHTS_FILE, state, kind="export")
+        (target / CONFIG_FILE).write_text(cfg.to_yaml())
+    write_json(target / EXPORT_INFO_FILE, {**info, "format": format})
     return target

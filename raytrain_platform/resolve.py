@@ -1,8 +1,9 @@
 """Turn a validated config into a runnable job: look at the data (sizes, columns)
 without reading it, let the model's family fill in what the config left to the data
 (the MLP's input and output sizes) and check what it can before Ray starts (a user
-builder imports and returns a module), and check that the data can feed one
-optimizer step on every rank.
+builder imports and returns a module; a tokenizer loads and fits the model's
+embeddings and positions; every JSONL line parses), and check that the data can feed
+one optimizer step on every rank.
 
 Everything here happens before any Ray resource is requested; no Ray, and torch only
 for a user builder's check.
@@ -11,10 +12,12 @@ for a user builder's check.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from raytrain_platform.config import JobConfig
 from raytrain_platform.data.dealing import whole_rounds
+from raytrain_platform.data.jsonl import check_fits
 from raytrain_platform.data.sources import DataInfo, SourceSpec, describe
 from raytrain_platform.errors import ConfigError, DataError
 from raytrain_platform.models.registry import get_family
@@ -78,7 +81,14 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
     ``auto`` fields are decided here, on `hardware` (the cluster's, from the launcher)
     or, without it, on this machine (plan/auto.py)."""
     family = get_family(cfg.model.name)
-    info = describe(SourceSpec.from_config(cfg))
+    tokenizer = cfg.data.tokenizer
+    if tokenizer and not os.path.isabs(tokenizer):  # Ray's tasks do not share this working directory
+        cfg = cfg.replace({"data.tokenizer": os.path.abspath(os.path.expanduser(tokenizer))})
+    spec = SourceSpec.from_config(cfg)
+    if spec.tokenized:  # the tokenizer loads, has what the format needs and fits the model
+        check_fits(spec.token_spec(), vocab_size=family.vocab_size(cfg.model.kwargs),
+                   max_positions=family.max_seq_len(cfg.model.kwargs))
+    info = describe(spec)
     kwargs = family.fill_from_data(cfg.model.kwargs, num_features=info.num_features,
                                    num_classes=info.num_classes, task=cfg.model.task)
     if kwargs != cfg.model.kwargs:

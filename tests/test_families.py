@@ -51,11 +51,11 @@ def test_registry_lists_the_families_and_the_import_path_form():
     from raytrain_platform.models import family_names, get_family
     from raytrain_platform.models.user import UserFamily
 
-    assert family_names() == ["gpt", "mlp"]
+    assert family_names() == ["gpt", "hf", "mlp"]
     assert isinstance(get_family("user_models:tiny_llama"), UserFamily)
     with pytest.raises(ConfigError) as err:
         get_family("resnet")
-    assert str(err.value) == ("model.name = 'resnet': expected one of ['gpt', 'mlp'] or an import path "
+    assert str(err.value) == ("model.name = 'resnet': expected one of ['gpt', 'hf', 'mlp'] or an import path "
                               "'pkg.module:build_fn'")
 
 

@@ -125,16 +125,17 @@ def test_sweep_file_and_cli_errors(tmp_path, capsys):
 
 @pytest.mark.ray
 def test_grid_asha_and_failing_trials(ray_cluster, tmp_path, capsys):
-    """A 4-trial grid: the trials that fail (a model that cannot be imported) are
-    recorded with their reason while the sweep goes on; ASHA stops the trial whose
-    learning rate is too small at its first validation; the rest finish."""
+    """A 4-trial grid: the trials that cannot run (a model that cannot be imported:
+    found before launch, as every user builder is) are recorded with their reason while
+    the sweep goes on; ASHA stops the trial whose learning rate is too small at its
+    first validation; the rest finish."""
     import ray
 
     result = sweep(_base(tmp_path), {"train.lr": [0.05, 0.0001],
                                      "model.name": ["no_such_module:build", "mlp"]},
                    scheduler="asha", name="grid")
     rows = result.trials.set_index("trial")
-    assert list(rows.status) == ["failed", "done", "failed", "stopped"], rows
+    assert list(rows.status) == ["invalid", "done", "invalid", "stopped"], rows
     for name in ("trial_000", "trial_002"):
         assert rows.loc[name, "error"] == ("model.name = 'no_such_module:build': expected an "
                                            "importable module (No module named 'no_such_module')")

@@ -23,11 +23,14 @@ from raytrain_platform.core.checkpoint import TrainState, load_checkpoint, save_
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
 from raytrain_platform.core.optim import build_optimizer, lr_at
 from raytrain_platform.core.profile import StepProfiler
+from raytrain_platform.core.weights import load_safetensors, materialize
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.tasks import get_task
+from raytrain_platform.parallel.base import Parallelized
 from raytrain_platform.parallel.compose import parallelize
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.parallel.memory import state_bytes
+from raytrain_platform.parallel.registry import get_strategy
 from raytrain_platform.resolve import ResolvedJob
 from raytrain_platform.core.rundir import MetricsLog
 
@@ -66,17 +69,13 @@ def _reseed(seed: int, device: torch.device) -> None:
 
 class Engine:
     def __init__(self, job: ResolvedJob, env: DistEnv, *, run_dir: str | None = None,
-                 profiler: StepProfiler | None = None):
+                 profiler: StepProfiler | None = None, resuming: bool = False):
         self.job, self.cfg, self.env = job, job.config, env
         self.run_dir = run_dir
         self.profiler = profiler  # `rtp doctor`'s measured runs (core/profile.py)
-        m = self.cfg.model
-        self.family = get_family(m.name)
-        self.task = get_task(m.task, m.name)
-        torch.manual_seed(self.cfg.train.seed)  # identical initial weights on every rank
-        model = self.family.build(m.kwargs).to(env.device)
-        self.par = parallelize(model, env=env, cfg=self.cfg.parallel, family=self.family,
-                               model_kwargs=m.kwargs, block_class=m.block_class)
+        self.family = get_family(self.cfg.model.name)
+        self.task = get_task(self.cfg.model.task, self.cfg.model.name)
+        self.par = self._build(resuming=resuming)
         # Data-parallel coordinates: ranks of one TP/PP group read the same micro-batches.
         dims = ParallelDims.from_config(self.cfg)
         self.data_world, self.data_rank = dims.dp, dims.data_rank(env.rank)
@@ -86,6 +85,37 @@ class Engine:
         self.autocast = (torch.autocast(device_type=env.device.type, dtype=torch.bfloat16)
                          if self.cfg.train.precision == "bf16" else contextlib.nullcontext())
         self._config_yaml = self.cfg.to_yaml()
+
+    def _parallelize(self, model: torch.nn.Module) -> Parallelized:
+        m = self.cfg.model
+        return parallelize(model, env=self.env, cfg=self.cfg.parallel, family=self.family,
+                           model_kwargs=m.kwargs, block_class=m.block_class)
+
+    def _build(self, *, resuming: bool) -> Parallelized:
+        """The model, parallelized. Initialised on the CPU with the run's seed (the same
+        weights on every rank), or, for pretrained weights, built on the meta device
+        and filled from the model's safetensors files."""
+        m, par = self.cfg.model, self.cfg.parallel
+        torch.manual_seed(self.cfg.train.seed)
+        files = self.family.pretrained_files(m.kwargs)
+        if files is None:
+            return self._parallelize(self.family.build(m.kwargs).to(self.env.device))
+        model = self.family.build(m.kwargs, device="meta")
+        if get_strategy(par.strategy).shards_state or par.tp_size * par.pp_size > 1:
+            # No rank ever holds the whole model: split the meta model, then each rank
+            # gives its shards storage and reads only their slices of the files.
+            wrapped = self._parallelize(model)
+            self._fill(model, files, resuming=resuming)
+            return wrapped
+        # Replicas (none, ddp) hold the whole model anyway; load before DDP broadcasts it.
+        self._fill(model, files, resuming=resuming)
+        return self._parallelize(model)
+
+    def _fill(self, model: torch.nn.Module, files: list[str], *, resuming: bool) -> None:
+        materialize(model, self.env.device)
+        self.family.init_buffers(model, self.env.device)
+        if not resuming:  # a resumed run reads its own checkpoint instead
+            load_safetensors(model, files)
 
     # ------------------------------------------------------------ state
 
@@ -298,7 +328,7 @@ def run_training(job: ResolvedJob, env: DistEnv, *, source: BatchSource, reporte
                  resume_dir: str | None, run_dir: str | None,
                  profiler: StepProfiler | None = None) -> dict:
     """Build, restore if asked, train to the end; returns the last reported metrics."""
-    engine = Engine(job, env, run_dir=run_dir, profiler=profiler)
+    engine = Engine(job, env, run_dir=run_dir, profiler=profiler, resuming=bool(resume_dir))
     if resume_dir:
         engine.restore(resume_dir)
     log = MetricsLog(run_dir, resume_step=engine.state.step) if (run_dir and env.is_rank0) else None

@@ -59,6 +59,9 @@ __all__ = [
     "iter_windows",
     "count_file_windows",
     "count_windows",
+    "text_groups",
+    "text_group_windows",
+    "count_text_windows",
     "check_fits",
 ]
 
@@ -260,13 +263,17 @@ def _encode_chat(tok: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
     return list(enc["input_ids"]) + [tok.eos_token_id], inside.astype(int).tolist() + [0]
 
 
+def _encode_text(tok: Any, text: str) -> tuple[list[int], list[int]]:
+    bos, ids = _bos(tok), _ids(tok, text)
+    return bos + ids + [tok.eos_token_id], [0] * len(bos) + [1] * (len(ids) + 1)
+
+
 def encode_record(tok: Any, record: dict, spec: JsonlSpec) -> tuple[list[int], list[int]]:
     """Token ids of one document (ending with EOS) and its loss mask (1 = trained on)."""
     _check_record(record, spec)
     bos, eos = _bos(tok), tok.eos_token_id
     if spec.format == "text":
-        ids = _ids(tok, record[spec.text_field])
-        return bos + ids + [eos], [0] * len(bos) + [1] * (len(ids) + 1)
+        return _encode_text(tok, record[spec.text_field])
     if spec.format == "prompt_completion":
         prompt = _ids(tok, record[spec.prompt_field])
         completion = _ids(tok, record[spec.completion_field])
@@ -339,7 +346,78 @@ def count_windows(spec: JsonlSpec) -> tuple[int, int]:
         train, val = train + t, val + v
     if train == 0:
         raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = "
-                        f"{spec.seq_len} tokens (too little data, or lower data.seq_len)")
+                        f"{spec.seq_len - 1} tokens (+1) (too little data, or lower data.seq_len)")
+    return train, val
+
+
+# ---------------------------------------------------------------- text files
+
+# Consecutive text files are tokenized and packed together, about this many bytes to a
+# group: one read task each, and documents (files) pack across file ends, so short
+# files are not each cut short by a dropped tail. A fast BPE tokenizes a group in ~1 s.
+TEXT_GROUP_BYTES = 1 << 20
+
+
+def text_groups(files: list[tuple[str, int]], group_bytes: int = TEXT_GROUP_BYTES) -> list[tuple[str, ...]]:
+    """(path, size) of sorted text files -> tuples of consecutive paths of at least
+    `group_bytes` bytes each (the last group may hold less).
+
+    >>> text_groups([("a", 5), ("b", 7), ("c", 1)], group_bytes=10)
+    [('a', 'b'), ('c',)]
+    """
+    groups: list[tuple[str, ...]] = []
+    current: list[str] = []
+    size = 0
+    for path, n in files:
+        current.append(path)
+        size += n
+        if size >= group_bytes:
+            groups.append(tuple(current))
+            current, size = [], 0
+    if current:
+        groups.append(tuple(current))
+    return groups
+
+
+def _group_tokens(paths: tuple[str, ...], spec: JsonlSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Each file one document (BOS where the tokenizer has one, its text, EOS), in order."""
+    tok = load_tokenizer(spec.tokenizer, need_chat_template=False)
+    ids: list[int] = []
+    mask: list[int] = []
+    for path in paths:
+        with open(path, "rb") as f:
+            doc_ids, doc_mask = _encode_text(tok, f.read().decode("utf-8", errors="replace"))
+        ids += doc_ids
+        mask += doc_mask
+    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+
+
+def text_group_windows(group_index: int, paths: tuple[str, ...], spec: JsonlSpec,
+                       split: str) -> dict[str, np.ndarray]:
+    """One group of text files packed into windows, the `split` part of them: as the
+    byte-level text source, windows (not files) go to train or val by a hash of their
+    ``group_index << 32 | window_index`` id. Same arrays as `jsonl_windows`."""
+    ids, mask = _group_tokens(paths, spec)
+    n = ids.size // spec.seq_len
+    sample_id = (np.int64(group_index) << np.int64(32)) | np.arange(n, dtype=np.int64)
+    keep = split_mask(sample_id, spec.val_fraction, split)
+    return {"tokens": ids[: n * spec.seq_len].reshape(n, spec.seq_len)[keep],
+            "loss_mask": mask[: n * spec.seq_len].reshape(n, spec.seq_len)[keep],
+            "sample_id": sample_id[keep]}
+
+
+def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[int, int]:
+    """(train, val) windows over all groups; DataError when there is no training window."""
+    train = val = 0
+    for g, paths in enumerate(groups):
+        n = _group_tokens(paths, spec)[0].size // spec.seq_len
+        ids = (np.int64(g) << np.int64(32)) | np.arange(n, dtype=np.int64)
+        is_val = split_mask(ids, spec.val_fraction, "val")
+        train, val = train + int((~is_val).sum()), val + int(is_val.sum())
+    if train == 0:
+        raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = "
+                        f"{spec.seq_len - 1} tokens (+1) in the tokenized text (too little text, or "
+                        "lower data.seq_len)")
     return train, val
 
 

@@ -1,4 +1,8 @@
-"""Ray Data pipelines for the three sources: read -> cut/generate -> split -> shard.
+"""Ray Data pipelines for the sources: read -> cut/tokenize/generate -> split -> shard.
+
+Tokenized sources (jsonl, text with a tokenizer) tokenize and pack in Ray Data's CPU
+tasks, one task per piece (a .jsonl file, or a group of text files): the training
+loop only receives int32 token windows and their loss masks.
 
 Ordering is part of the contract. With ``preserve_order`` the pipeline yields
 samples in source order; for several workers it is cut into blocks of exactly one
@@ -41,6 +45,16 @@ class _TextWindows:
         return {k: np.concatenate([p[k] for p in parts]) for k in ("tokens", "sample_id")}
 
 
+class _TokenWindows:
+    def __init__(self, spec: SourceSpec, split: str, pieces: list[tuple[str, ...]]):
+        self.spec, self.split, self.pieces = spec, split, pieces
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        parts = [sources.token_windows(int(i), self.pieces[int(i)], self.spec, self.split)
+                 for i in batch["index"]]
+        return {k: np.concatenate([p[k] for p in parts]) for k in ("tokens", "loss_mask", "sample_id")}
+
+
 class _Synthetic:
     def __init__(self, spec: SourceSpec):
         self.spec = spec
@@ -65,6 +79,12 @@ class _ParquetChunks:
 def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...]) -> "ray.data.Dataset":
     import ray.data
 
+    if spec.tokenized:
+        pieces = sources.token_pieces(spec)
+        # One block, hence one read task, per piece: tokenizing is the costly part.
+        ds = ray.data.from_items([{"index": i} for i in range(len(pieces))],
+                                 override_num_blocks=len(pieces))
+        return ds.map_batches(_TokenWindows(spec, split, pieces), batch_size=1, batch_format="numpy")
     if spec.kind == "text":
         files = sources.text_files(spec)
         items = [{"file_index": i, "path": p} for i, (p, _) in enumerate(files)]

@@ -7,6 +7,12 @@ Every sample has a stable 64-bit ``sample_id``: text windows are
 ``file_index << 32 | window_index``, synthetic rows are their index, Parquet rows
 their position across the sorted files. The validation split holds out the ids
 whose hash falls under ``val_fraction``, so it never depends on world size.
+
+With a tokenizer (``data.tokenizer``, or the model family's own), text and jsonl are
+*tokenized* sources (`jsonl.py`): int32 token windows with a ``loss_mask``, read one
+piece at a time (a .jsonl file, or a group of consecutive text files); a piece's
+windows are ``piece_index << 32 | window_index`` (jsonl's validation windows also set
+bit 31). Without a tokenizer, text is bytes as above.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
     from raytrain_platform.config import JobConfig
+    from raytrain_platform.data.jsonl import JsonlSpec
 
 __all__ = [
     "SourceSpec",
@@ -39,6 +46,8 @@ __all__ = [
     "synthetic_rows",
     "parquet_chunks",
     "read_parquet_chunk",
+    "token_pieces",
+    "token_windows",
     "describe",
     "iter_source",
 ]
@@ -65,7 +74,7 @@ def split_mask(ids: np.ndarray, val_fraction: float, split: str) -> np.ndarray:
 class SourceSpec:
     """Everything a reader needs, as plain picklable values (shipped to Ray tasks)."""
 
-    kind: str  # text | synthetic | parquet
+    kind: str  # text | synthetic | parquet | jsonl
     task: str  # lm | classification | regression
     val_fraction: float
     seq_len: int = 0  # lm: tokens per sample (data.seq_len + 1)
@@ -80,6 +89,12 @@ class SourceSpec:
     feature_columns: tuple[str, ...] = ()
     label_column: str = "label"
     max_read_rows_per_s: float | None = None  # a read task sleeps to stay under this rate
+    tokenizer: str | None = None  # text, jsonl: a local tokenizer folder (None: text as bytes)
+    format: str = "text"  # jsonl: text | prompt_completion | chat
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
 
     @classmethod
     def from_config(cls, cfg: "JobConfig") -> "SourceSpec":
@@ -90,7 +105,25 @@ class SourceSpec:
                    num_samples=d.num_samples, num_features=d.num_features,
                    num_classes=d.num_classes, seed=d.seed,
                    feature_columns=tuple(d.feature_columns or ()), label_column=d.label_column,
-                   max_read_rows_per_s=d.max_read_rows_per_s)
+                   max_read_rows_per_s=d.max_read_rows_per_s, tokenizer=d.tokenizer_for(m),
+                   format=d.format, text_field=d.text_field, prompt_field=d.prompt_field,
+                   completion_field=d.completion_field, messages_field=d.messages_field)
+
+    @property
+    def tokenized(self) -> bool:
+        """jsonl, or text read through a tokenizer (token ids and a loss mask, not bytes)."""
+        return self.kind == "jsonl" or (self.kind == "text" and self.tokenizer is not None)
+
+    def token_spec(self) -> "JsonlSpec":
+        """What `jsonl.py` tokenizes and packs with (a tokenized source only)."""
+        from raytrain_platform.data.jsonl import JsonlSpec
+
+        assert self.tokenized and self.tokenizer, self
+        return JsonlSpec(path=self.path or default_text_root(), tokenizer=self.tokenizer,
+                         format=self.format if self.kind == "jsonl" else "text",
+                         seq_len=self.seq_len, val_fraction=self.val_fraction,
+                         text_field=self.text_field, prompt_field=self.prompt_field,
+                         completion_field=self.completion_field, messages_field=self.messages_field)
 
     def throttle(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Sleep as long as reading these rows takes at ``max_read_rows_per_s`` (no-op
@@ -150,6 +183,42 @@ def text_windows(file_index: int, path: str, spec: SourceSpec, split: str) -> di
     keep = split_mask(ids, spec.val_fraction, split)
     tokens = raw[: n * spec.seq_len].reshape(n, spec.seq_len)[keep]
     return spec.throttle({"tokens": tokens, "sample_id": ids[keep]})
+
+
+# ---------------------------------------------------------------- tokenized (text, jsonl)
+
+
+def token_pieces(spec: SourceSpec) -> list[tuple[str, ...]]:
+    """The read tasks of a tokenized source, in order: one .jsonl file each, or a group
+    of consecutive text files (`jsonl.text_groups`)."""
+    from raytrain_platform.data import jsonl
+
+    if spec.kind == "jsonl":
+        return [(path,) for path in jsonl.jsonl_files(spec.token_spec())]
+    return jsonl.text_groups(text_files(spec))
+
+
+def token_windows(index: int, piece: tuple[str, ...], spec: SourceSpec, split: str) -> dict[str, np.ndarray]:
+    """Piece `index` tokenized and packed: tokens int32 and loss_mask uint8 (n, seq_len),
+    sample_id (n,), the `split` part of it."""
+    from raytrain_platform.data import jsonl
+
+    if spec.kind == "jsonl":
+        rows = jsonl.jsonl_windows(index, piece[0], spec.token_spec(), split)
+    else:
+        rows = jsonl.text_group_windows(index, piece, spec.token_spec(), split)
+    return spec.throttle(rows)
+
+
+def _count_tokenized(spec: SourceSpec) -> DataInfo:
+    """Exact window counts: tokenizes everything once, on the driver (before Ray)."""
+    from raytrain_platform.data import jsonl
+
+    if spec.kind == "jsonl":
+        train, val = jsonl.count_windows(spec.token_spec())
+    else:
+        train, val = jsonl.count_text_windows(token_pieces(spec), spec.token_spec())
+    return DataInfo(num_train=train, num_val=val)
 
 
 # ---------------------------------------------------------------- synthetic
@@ -325,7 +394,10 @@ def _count(ids: np.ndarray, spec: SourceSpec, split: str) -> int:
 
 
 def describe(spec: SourceSpec) -> DataInfo:
-    """Exact train/val sizes and tabular shape, from file sizes and metadata only."""
+    """Exact train/val sizes and tabular shape, from file sizes and metadata only (a
+    tokenized source is tokenized to count its windows)."""
+    if spec.tokenized:
+        return _count_tokenized(spec)
     if spec.kind == "text":
         files = text_files(spec)
         ids = np.concatenate([text_window_ids(i, size, spec.seq_len) for i, (_, size) in enumerate(files)])
@@ -373,7 +445,10 @@ def _max_label(chunks: list[ParquetChunk], spec: SourceSpec) -> int:
 def iter_source(spec: SourceSpec, split: str, features: tuple[str, ...] = ()) -> Iterator[dict[str, np.ndarray]]:
     """The whole split in source order, one piece (file, chunk) at a time: the order the
     Ray Data pipeline produces with ``preserve_order``."""
-    if spec.kind == "text":
+    if spec.tokenized:
+        for index, piece in enumerate(token_pieces(spec)):
+            yield token_windows(index, piece, spec, split)
+    elif spec.kind == "text":
         for i, (path, _) in enumerate(text_files(spec)):
             yield text_windows(i, path, spec, split)
     elif spec.kind == "synthetic":

@@ -115,7 +115,7 @@ class GPTFamily(ModelFamily):
     def pipeline_layout(self) -> PipelineLayout:
         return PipelineLayout(blocks="blocks", first=("wte", "wpe"), last=("ln_f", "lm_head"))
 
-    def shape(self, kwargs: dict) -> "ModelShape":
+    def shape(self, kwargs: dict, *, seq_len: int | None = None) -> "ModelShape":
         from raytrain_platform.models.shapes import gpt_shape
 
         return gpt_shape(GPTSpec(**kwargs), name=self.name)
@@ -178,7 +178,7 @@ class MLPFamily(ModelFamily):
         return self.resolve_kwargs({"hidden_sizes": [hidden or 64] * (layers or 2), "input_dim": 16,
                                     "num_outputs": 4})
 
-    def shape(self, kwargs: dict) -> "ModelShape":
+    def shape(self, kwargs: dict, *, seq_len: int | None = None) -> "ModelShape":
         from raytrain_platform.models.shapes import mlp_shape
 
         return mlp_shape(MLPSpec(**kwargs), name=self.name)

@@ -101,9 +101,31 @@ class ModelFamily:
         """The longest context the model takes (positions it has), if it has a limit."""
         return None
 
+    def default_tokenizer(self, kwargs: dict) -> str | None:
+        """Where ``data.tokenizer`` points by default (an hf model's own directory);
+        None: the model reads bytes."""
+        return None
+
+    def vocab_size(self, kwargs: dict) -> int | None:
+        """Rows of the token embedding (a tokenizer may not have more ids), if known."""
+        return None
+
     def needs_data(self, kwargs: dict) -> bool:
         """Whether `fill_from_data` must run before the model can be built or planned."""
         return False
+
+    def pretrained_files(self, kwargs: dict) -> list[str] | None:
+        """Safetensors files to load after building (each rank its own slices), or None."""
+        return None
+
+    def init_buffers(self, model: "nn.Module", device: "torch.device") -> None:
+        """Recompute buffers a meta-device build left empty (after ``to_empty``)."""
+
+    def export_hf(self, model: "nn.Module", kwargs: dict, out: str, *, tokenizer: str | None = None,
+                  max_shard_size: str = "5GB") -> None:
+        """Write `model` as a Hugging Face directory (config, safetensors, tokenizer)."""
+        raise ConfigError("--format", "hf", f"safetensors for model '{self.name}' (a Hugging Face export "
+                          "needs an hf model)")
 
     def fill_from_data(self, kwargs: dict, *, num_features: int, num_classes: int,
                        task: str) -> dict:
@@ -165,8 +187,9 @@ class ModelFamily:
         return None
 
     # ---- planner, export, serving --------------------------------------------------------
-    def shape(self, kwargs: dict) -> "ModelShape":
-        """The model as `rtp plan` sees it; `ConfigError` when the family cannot say."""
+    def shape(self, kwargs: dict, *, seq_len: int | None = None) -> "ModelShape":
+        """The model as `rtp plan` sees it at `seq_len` tokens per sample (default: the
+        family's own); `ConfigError` when the family cannot say."""
         raise ConfigError("model.name", self.name, "a model family with a planner shape "
                           f"({self._families_with_shapes()}); for another model use rtp plan "
                           "--params/--layers/--hidden/--seq-len")

@@ -54,40 +54,82 @@ class ModelShape:
     exact: bool = True
     tp_last_params: int = 0  # of last_params, those TP shards (an untied LM head)
     tied: bool = False  # the LM head is the token embedding (counted in first_params)
+    n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: as many as n_head
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class _Block:
+    """One decoder block's counts: parameters, tensors, those TP shards, matmul weights."""
+
+    params: int
+    tensors: int
+    norm: int  # parameters of one norm (the final norm is the same)
+    norm_tensors: int
+    tp_params: int
+    matmul_params: int
+
+
+def _block(*, hidden: int, n_head: int, n_kv_head: int, head_dim: int, ffn_hidden: int, gated: bool,
+           norm_bias: bool, qkv_bias: bool, out_bias: bool, mlp_bias: bool, qk_norm: bool) -> _Block:
+    h, f = hidden, ffn_hidden
+    q_dim, kv_dim = n_head * head_dim, n_kv_head * head_dim  # GQA: k and v have n_kv_head heads
+    n_up = 2 if gated else 1  # (gate, up) or (up)
+    norm, norm_tensors = (2 * h, 2) if norm_bias else (h, 1)  # LayerNorm with bias | RMSNorm, LayerNorm
+    attn_w, mlp_w = h * (q_dim + 2 * kv_dim) + q_dim * h, (n_up + 1) * h * f
+    qkv_b, up_b = (q_dim + 2 * kv_dim) * qkv_bias, n_up * f * mlp_bias
+    params = 2 * norm + attn_w + mlp_w + qkv_b + h * out_bias + up_b + h * mlp_bias + 2 * head_dim * qk_norm
+    tensors = (2 * norm_tensors + 4 + (n_up + 1) + 3 * qkv_bias + out_bias + (n_up + 1) * mlp_bias
+               + 2 * qk_norm)
+    # Column-parallel (q, k, v, gate/up) weights and biases are sharded; row-parallel
+    # (o, down) weights are sharded, their biases replicated (Megatron's split).
+    return _Block(params=params, tensors=tensors, norm=norm, norm_tensors=norm_tensors,
+                  tp_params=attn_w + mlp_w + qkv_b + up_b, matmul_params=attn_w + mlp_w)
+
+
 def transformer_shape(name: str, *, n_layer: int, hidden: int, n_head: int, seq_len: int, vocab: int,
                  ffn_hidden: int, gated: bool, bias: bool, learned_pos: bool, tied: bool,
-                 dropout: float = 0.0) -> ModelShape:
-    """Exact counts for a GPT-2 style (LayerNorm, GeLU, optional biases, learned positions)
-    or Llama style (RMSNorm, SwiGLU, no biases) decoder."""
-    h, f, b = hidden, ffn_hidden, 1 if bias else 0
-    norm, norm_tensors = (2 * h, 2) if (bias and not gated) else (h, 1)
-    attn = 4 * h * h + 4 * h * b
-    mlp = (3 * h * f if gated else 2 * h * f) + (f + h) * b * (0 if gated else 1)
-    layer = 2 * norm + attn + mlp
-    linear_tensors = (4 + (3 if gated else 2)) * (2 if b else 1)
-    # Column-parallel (q, k, v, up/gate) weights and biases are sharded; row-parallel
-    # (o, down) weights are sharded, their biases replicated (Megatron's split).
-    tp_layer = 4 * h * h + (3 * h * f if gated else 2 * h * f) + (3 * h + (0 if gated else f)) * b
-    first = vocab * h + (seq_len * h if learned_pos else 0)
-    last = norm + (0 if tied else h * vocab)
+                 dropout: float = 0.0, n_kv_head: int | None = None, head_dim: int | None = None,
+                 qkv_bias: bool | None = None, out_bias: bool | None = None,
+                 mlp_bias: bool | None = None, qk_norm: bool = False) -> ModelShape:
+    """Exact counts for a GPT-2 style decoder (LayerNorm, GeLU MLP, optional biases,
+    learned positions) or a Llama style one (``gated``: RMSNorm, SwiGLU MLP, rotary
+    positions). ``bias`` puts a bias on every linear layer (and LayerNorm); the three
+    flags override it per group, as Llama's ``attention_bias`` (q, k, v, o) and
+    ``mlp_bias`` or Qwen2's q/k/v-only biases need. Grouped-query attention: k and v
+    project to ``n_kv_head * head_dim`` (defaults: ``n_head``, ``hidden // n_head``);
+    ``qk_norm``: RMSNorms over ``head_dim`` on q and k (Qwen3), replicated under TP.
+
+    >>> mha = transformer_shape("m", n_layer=2, hidden=64, n_head=4, seq_len=8, vocab=100,
+    ...                         ffn_hidden=128, gated=True, bias=False, learned_pos=False, tied=False)
+    >>> gqa = transformer_shape("g", n_layer=2, hidden=64, n_head=4, seq_len=8, vocab=100,
+    ...                         ffn_hidden=128, gated=True, bias=False, learned_pos=False, tied=False,
+    ...                         n_kv_head=1)
+    >>> mha.layer_params - gqa.layer_params  # k and v: 64 x 48 smaller each
+    6144
+    """
+    h = hidden
+    kv_heads = n_head if n_kv_head is None else n_kv_head
+    block = _block(hidden=h, n_head=n_head, n_kv_head=kv_heads,
+                   head_dim=h // n_head if head_dim is None else head_dim, ffn_hidden=ffn_hidden,
+                   gated=gated, norm_bias=bias and not gated,
+                   qkv_bias=bias if qkv_bias is None else qkv_bias,
+                   out_bias=bias if out_bias is None else out_bias,
+                   mlp_bias=bias if mlp_bias is None else mlp_bias, qk_norm=qk_norm)
+    first, first_tensors = vocab * h + (seq_len * h if learned_pos else 0), 1 + int(learned_pos)
+    last, last_tensors = block.norm + (0 if tied else h * vocab), block.norm_tensors + (0 if tied else 1)
     return ModelShape(
         name=name, kind="transformer",
-        num_params=first + n_layer * layer + last,
-        num_tensors=(1 + int(learned_pos)) + n_layer * (2 * norm_tensors + linear_tensors)
-        + norm_tensors + (0 if tied else 1),
-        n_layer=n_layer, layer_params=layer, layer_tensors=2 * norm_tensors + linear_tensors,
-        first_params=first, first_tensors=1 + int(learned_pos),
-        last_params=last, last_tensors=norm_tensors + (0 if tied else 1),
-        tp_layer_params=tp_layer,
-        layer_matmul_params=4 * h * h + (3 if gated else 2) * h * f,
+        num_params=first + n_layer * block.params + last,
+        num_tensors=first_tensors + n_layer * block.tensors + last_tensors,
+        n_layer=n_layer, layer_params=block.params, layer_tensors=block.tensors,
+        first_params=first, first_tensors=first_tensors, last_params=last, last_tensors=last_tensors,
+        tp_layer_params=block.tp_params, layer_matmul_params=block.matmul_params,
         last_matmul_params=h * vocab,  # tied or not, the head is a matmul
-        hidden=h, n_head=n_head, seq_len=seq_len, vocab=vocab, ffn_hidden=f, gated_mlp=gated,
-        dropout=dropout, tp_last_params=0 if tied else h * vocab, tied=tied)
+        hidden=h, n_head=n_head, seq_len=seq_len, vocab=vocab, ffn_hidden=ffn_hidden, gated_mlp=gated,
+        dropout=dropout, tp_last_params=0 if tied else h * vocab, tied=tied, n_kv_head=kv_heads)
 
 
 def gpt_shape(spec: GPTSpec, *, name: str = "gpt") -> ModelShape:

@@ -93,7 +93,7 @@ def local_hardware(cfg: JobConfig) -> Hardware:
 
 def _shape(cfg: JobConfig) -> ModelShape:
     try:
-        return get_family(cfg.model.name).shape(cfg.model.kwargs)
+        return get_family(cfg.model.name).shape(cfg.model.kwargs, seq_len=cfg.seq_len)
     except ConfigError as exc:
         raise ConfigError("parallel.strategy" if cfg.parallel.strategy == "auto" else "data.batch_size",
                           "auto", f"an explicit value for model '{cfg.model.name}': the memory model "

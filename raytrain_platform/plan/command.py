@@ -3,6 +3,7 @@ naming the flag), and the table / JSON output. No torch import.
 
     rtp plan --model llama2-7b --device-mem 24GB --devices-per-node 8 --global-batch 64 \\
         --precision bf16 --activation-checkpointing
+    rtp plan --model hf:/path/to/Llama-3.1-8B --device-mem 80GiB --devices-per-node 8 --global-batch 64
     rtp plan --params 7e9 --layers 32 --hidden 4096 --seq-len 4096 --device-mem 80GiB --json
     rtp plan pipelines/configs/tabular.yaml --device-mem 16GiB
 
@@ -14,10 +15,12 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
+from raytrain_platform.models.hf_shapes import hf_config_shape
 from raytrain_platform.models.registry import FAMILIES, family_names, get_family
 from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, preset_shape
 from raytrain_platform.units import SIZE_HELP, parse_count, parse_size
@@ -43,7 +46,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.error = _one_line_error  # type: ignore[method-assign]
     p.add_argument("config", nargs="?", help="a job's YAML config (model, batch, precision from it)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--model", help=f"{', '.join(family_names())}, or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--model", help=f"{', '.join(family_names())}, a preset: {', '.join(PRESETS)}, "
+                   "or hf:DIR (a Hugging Face model folder: its config.json)")
     for flag, what in (("--params", "parameter count (7B, 125M, 6.7e9)"), ("--layers", "blocks"),
                        ("--hidden", "hidden size"), ("--heads", "attention heads"),
                        ("--seq-len", "sequence length in tokens"), ("--vocab", "vocabulary size")):
@@ -77,6 +81,10 @@ def _shape_from_flags(args: argparse.Namespace) -> ModelShape:
         return generic_shape(num_params=parse_count("--params", args.params), n_layer=layers,
                              hidden=hidden, seq_len=seq_len, n_head=heads,
                              vocab=_int("--vocab", args.vocab, 50257))
+    if args.model is not None and (args.model == "hf" or args.model.startswith("hf:")):
+        _no_size_flags(args, f"the Hugging Face model {args.model!r}",
+                       layers=layers, hidden=hidden, heads=heads)
+        return _hf_shape(args.model, seq_len=seq_len)
     if args.model in FAMILIES:
         return _family_shape_from_flags(args.model, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len)
     if args.model is not None:
@@ -88,6 +96,39 @@ def _shape_from_flags(args: argparse.Namespace) -> ModelShape:
         return preset_shape(args.model)
     raise ConfigError("--model", None, f"a CONFIG, --model NAME ({', '.join(family_names())}, "
                       f"{', '.join(PRESETS)}), or --params with --layers/--hidden/--seq-len")
+
+
+def _no_size_flags(args: argparse.Namespace, what: str, **values: int | None) -> None:
+    for key, value in values.items():
+        if value is not None:
+            raise ConfigError(f"--{key}", getattr(args, key), f"not set with {what} (its sizes are fixed)")
+    if args.vocab is not None:
+        raise ConfigError("--vocab", args.vocab, f"not set with {what} (its sizes are fixed)")
+
+
+def _hf_shape(model: str, *, seq_len: int | None) -> ModelShape:
+    """``--model hf:DIR``: the exact shape of the Llama-style decoder DIR/config.json describes."""
+    folder = model[len("hf:"):]
+    what = "hf:DIR, DIR a Hugging Face model folder with a config.json"
+    if not folder:
+        raise ConfigError("--model", model, what)
+    path = Path(folder).expanduser() / "config.json"
+    if not path.parent.is_dir():
+        raise ConfigError("--model", model, f"{what} (no folder {folder})")
+    if not path.is_file():
+        raise ConfigError("--model", model, f"{what} (no {path})")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        reason = f"line {exc.lineno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise ConfigError("--model", model, f"{what} ({path} is not JSON: {reason})") from None
+    try:
+        return hf_config_shape(config, name=model, seq_len=seq_len)
+    except ConfigError as exc:
+        if exc.field != "model.kwargs.path":
+            raise
+        raise ConfigError("--model", model, f"{exc.allowed} (its config.json has model_type "
+                          f"{exc.value!r})") from None
 
 
 def _family_shape_from_flags(name: str, *, layers: int | None, hidden: int | None, heads: int | None,
@@ -112,8 +153,10 @@ def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
         kwargs = family.fill_from_data(kwargs, num_features=info.num_features,
                                        num_classes=info.num_classes, task=cfg.model.task)
     try:
-        shape = family.shape(kwargs)
+        shape = family.shape(kwargs, seq_len=cfg.seq_len)
     except ConfigError as exc:
+        if exc.field.startswith(("model.kwargs", "config.json")):
+            raise  # names the model's own setting (an hf config.json's model_type, a size)
         raise ConfigError("model.name", cfg.model.name, f"{exc.allowed} (for rtp plan)") from None
     t, s = cfg.train, cfg.scaling
     defaults = {"global_batch": t.global_batch_size if cfg.data.batch_size == "auto"
@@ -173,10 +216,14 @@ def plan_to_dict(plan: Plan) -> dict:
             "reasons": list(plan.reasons), "warnings": list(plan.warnings)}
 
 
+def _kv_heads(m: ModelShape) -> str:
+    return f" ({m.n_kv_head} key/value)" if m.n_kv_head and m.n_kv_head != m.n_head else ""
+
+
 def format_plan(plan: Plan) -> str:
     req, m = plan.request, plan.request.model
     lines = [f"model {m.name}: {m.num_params:,} parameters ({'exact' if m.exact else 'derived'}), "
-             f"{m.n_layer} layers" + (f", hidden {m.hidden}, {m.n_head} heads, seq {m.seq_len}"
+             f"{m.n_layer} layers" + (f", hidden {m.hidden}, {m.n_head} heads{_kv_heads(m)}, seq {m.seq_len}"
                                        if m.kind == "transformer" else ""),
              f"devices: {req.nodes} node(s) x {req.devices_per_node} of {_fmt(req.device_memory)} "
              f"(usable {_fmt(req.budget)}); global batch {req.global_batch}; {req.precision}, "

@@ -131,11 +131,12 @@ def _fit(req: PlanRequest, *, dp: int, tp: int = 1, pp: int = 1, shard: int = 1,
 
 
 def _tp_degrees(req: PlanRequest) -> list[int]:
-    """TP within one node: divisors of the node's devices that split the heads evenly."""
+    """TP within one node: divisors of the node's devices that split the heads (and the
+    key/value heads of grouped-query attention) evenly."""
     if req.tp is not None:
         return [req.tp] if req.tp > 1 else []
-    heads = req.model.n_head
-    return [d for d in _divisors(req.devices_per_node) if d > 1 and heads % d == 0]
+    heads, kv_heads = req.model.n_head, req.model.n_kv_head or req.model.n_head
+    return [d for d in _divisors(req.devices_per_node) if d > 1 and heads % d == 0 and kv_heads % d == 0]
 
 
 def _pp_degrees(req: PlanRequest, *, need_dp: bool) -> list[int]:

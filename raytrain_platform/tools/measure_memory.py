@@ -41,8 +41,17 @@ from raytrain_platform.parallel.memory import local_tensor, state_bytes
 __all__ = ["state_bytes", "measure"]
 
 
+def _storage(t: Any) -> Any:
+    local = local_tensor(t)
+    # A DTensor whose redistribution is still in flight (TP: an hf decoder layer's input) gives an
+    # AsyncCollectiveTensor, a wrapper without storage: its result tensor holds the bytes.
+    if hasattr(local, "trigger_wait"):
+        local = local.trigger_wait()
+    return local.untyped_storage()
+
+
 def _storage_ptr(t: Any) -> int:
-    return local_tensor(t).untyped_storage().data_ptr()
+    return _storage(t).data_ptr()
 
 
 def _saved_activation_bytes(fn: Any, params: list) -> tuple[Any, int]:
@@ -56,7 +65,7 @@ def _saved_activation_bytes(fn: Any, params: list) -> tuple[Any, int]:
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = _storage_ptr(t)
         if ptr not in param_storages:
-            seen[ptr] = local_tensor(t).untyped_storage().nbytes()
+            seen[ptr] = _storage(t).nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

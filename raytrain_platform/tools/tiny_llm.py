@@ -298,6 +298,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 2 x --hidden)")
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--max-shard-size", default=None, help="e.g. 200KB: sharded safetensors")
     return p
@@ -307,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         paths = make_all(args.out, arch=args.arch, samples=args.samples, num_layers=args.layers,
-                         hidden_size=args.hidden, num_heads=args.heads,
-                         num_kv_heads=args.kv_heads, max_shard_size=args.max_shard_size)
+                         hidden_size=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                         intermediate_size=args.intermediate or 2 * args.hidden,
+                         max_shard_size=args.max_shard_size)
     except UserError as exc:
         print(f"tiny_llm: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,177 @@
+"""Pretrained weights straight into shards: peak memory per rank while loading a
+Hugging Face checkpoint of >= 300M parameters with FSDP on 2 ranks, against loading
+the whole model in one process. Goal (issue 17): each rank's peak <= 0.6x the
+one-process peak.
+
+    python benchmarks/hf_load.py                      # writes a 311M Llama once, then measures
+    python benchmarks/hf_load.py --smoke              # a tiny model, one repeat (what the tests run)
+
+Sides, each in a fresh process, interleaved over repeats:
+
+- ``fsdp2``: the platform's path (core/engine.py `_build`): the model built on the
+  meta device, `fully_shard` per decoder layer (parallel/compose.py), ``to_empty``,
+  then each rank reads only its slices of the safetensors files (core/weights.py);
+- ``one``: the same loader in one process, no sharding (every tensor whole);
+- ``from_pretrained``: ``transformers.AutoModelForCausalLM.from_pretrained``, for reference.
+
+Memory is the process's peak resident set (VmHWM) while loading and then reading every
+weight it holds once, minus its resident set just before (imports, process group and
+the meta model are the same on every side): the bytes the load itself costs. The peak is reset (``/proc/self/clear_refs``)
+just before loading. The safetensors files are memory-mapped: pages a rank reads count
+in its resident set, so a rank that read the whole file would show it. Each side also
+reports the sum of squares of every weight it holds (summed over ranks): equal sums
+show the shards hold exactly the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import ROOT, free_port, load_avg, stamp  # noqa: E402
+
+BIG = dict(hidden_size=1024, num_layers=22, num_heads=16, num_kv_heads=4, intermediate_size=2816,
+           vocab_size=32000, max_position_embeddings=2048)  # 311M parameters (untied head)
+SMOKE = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+             vocab_size=512, max_position_embeddings=128)
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
+
+
+def worker(side: str, model_dir: str) -> dict:
+    """One side's load, in this process (rank 0 of torchrun, or alone)."""
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_platform.config import ParallelConfig
+    from raytrain_platform.core.dist import init_torchrun
+    from raytrain_platform.core.weights import load_safetensors, materialize
+    from raytrain_platform.models import get_family
+    from raytrain_platform.parallel.compose import parallelize
+
+    torch.set_num_threads(1)
+    env = init_torchrun(use_gpu=False)
+    fam = get_family("hf")
+    kw = fam.resolve_kwargs({"path": model_dir})
+    if side == "from_pretrained":
+        from transformers import AutoModelForCausalLM
+
+        before = _status("VmRSS")
+        _reset_peak()
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    else:
+        model = fam.build(kw, device="meta")
+        if side == "fsdp2":
+            parallelize(model, env=env, cfg=ParallelConfig(strategy="fsdp"), family=fam, model_kwargs=kw)
+        before = _status("VmRSS")
+        _reset_peak()
+        t0 = time.perf_counter()
+        materialize(model, env.device)
+        fam.init_buffers(model, env.device)
+        load_safetensors(model, fam.pretrained_files(kw))
+    # Read every weight held, inside the measured window: transformers maps the files and
+    # reads pages only when a weight is first used; this counts them on every side alike.
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    sq = torch.zeros((), dtype=torch.float64)
+    for t in local:  # in 1M-element chunks: the check itself adds no tensor-sized copies
+        for chunk in t.detach().reshape(-1).split(1 << 20):
+            sq += chunk.double().pow(2).sum()
+    seconds = time.perf_counter() - t0
+    peak = _status("VmHWM") - before
+    held = sum(t.numel() for t in local)
+    if dist.is_initialized():
+        dist.all_reduce(sq)
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, {"peak_bytes": peak, "held_params": held})
+        dist.destroy_process_group()
+    else:
+        rows = [{"peak_bytes": peak, "held_params": held}]
+    return {"side": side, "seconds": seconds, "sum_sq": float(sq), "ranks": rows,
+            "num_params": sum(p.numel() for p in model.parameters()) if side != "fsdp2" else None}
+
+
+def _run_side(side: str, model_dir: str) -> dict:
+    nproc = 2 if side == "fsdp2" else 1
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), __file__, "--worker", side,
+           "--dir", model_dir]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def ensure_model(directory: Path, sizes: dict) -> Path:
+    from raytrain_platform.tools.tiny_llm import make_model
+
+    if not (directory / "config.json").is_file():
+        t0 = time.perf_counter()
+        make_model(directory, arch="llama", max_shard_size="500MB", **{k: v for k, v in sizes.items()})
+        print(f"wrote {directory} in {time.perf_counter() - t0:.0f}s", flush=True)
+    return directory
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default="/tmp/rtp-hf-load/llama-311m")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "hf_load.json"))
+    args = p.parse_args(argv)
+    if args.worker:
+        result = worker(args.worker, args.dir)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(result), flush=True)
+        return 0
+    sizes = SMOKE if args.smoke else BIG
+    model_dir = ensure_model(Path(args.dir + ("-smoke" if args.smoke else "")), sizes)
+    repeats = 1 if args.smoke else args.repeats
+    runs: dict[str, list[dict]] = {s: [] for s in ("fsdp2", "one", "from_pretrained")}
+    for i in range(repeats):
+        for side in runs:
+            r = _run_side(side, str(model_dir))
+            runs[side].append(r)
+            print(f"repeat {i + 1}/{repeats} {side}: peak per rank "
+                  f"{[round(x['peak_bytes'] / 2**20) for x in r['ranks']]} MiB, {r['seconds']:.1f}s "
+                  f"(load {load_avg():.1f})", flush=True)
+    one_peak = statistics.median([r["ranks"][0]["peak_bytes"] for r in runs["one"]])
+    fsdp_peak = statistics.median([max(x["peak_bytes"] for x in r["ranks"]) for r in runs["fsdp2"]])
+    hf_peak = statistics.median([r["ranks"][0]["peak_bytes"] for r in runs["from_pretrained"]])
+    sums = {s: runs[s][0]["sum_sq"] for s in runs}
+    summary = {
+        **stamp(), "model_dir": str(model_dir), "num_params": runs["one"][0]["num_params"],
+        "one_process_peak_MiB": one_peak / 2**20, "fsdp2_rank_peak_MiB": fsdp_peak / 2**20,
+        "from_pretrained_peak_MiB": hf_peak / 2**20, "ratio_fsdp2_rank_vs_one": fsdp_peak / one_peak,
+        "ratio_fsdp2_rank_vs_from_pretrained": fsdp_peak / hf_peak, "goal": "<= 0.6",
+        "weights_equal": abs(sums["fsdp2"] - sums["one"]) <= 1e-9 * abs(sums["one"]) and
+        abs(sums["from_pretrained"] - sums["one"]) <= 1e-9 * abs(sums["one"]),
+        "load_seconds": {s: statistics.median([r["seconds"] for r in runs[s]]) for s in runs}, "repeats": repeats,
+    }
+    print(json.dumps(summary, indent=2))
+    if not args.smoke:
+        Path(args.out).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,269 @@
+"""The same fine-tune through the platform and written with Hugging Face Accelerate
+(`accelerate launch`), at 1 and 2 processes: tokens/s, medians of interleaved repeats.
+
+    pip install -e '.[bench]'                            # accelerate
+    python benchmarks/vs_accelerate.py                   # ~8 min on 2 quiet CPU cores
+    python benchmarks/vs_accelerate.py --smoke           # tiny, 2 processes, 1 repeat, writes nothing (a test)
+
+The job: a Llama-style model from `raytrain_platform.tools.tiny_llm` (4 layers, d 256,
+4 heads / 2 KV heads, MLP 512, its 512-token BPE; ~2.6M parameters, written as
+safetensors and loaded from them by every side), chat JSONL of 2000 stdlib docstring
+Q/A pairs, packed into windows of 256 + 1 tokens, loss on the assistant turns,
+micro-batch 8 per process, AdamW (lr 1e-3 constant, betas 0.9/0.95, weight decay 0.1
+on matrices), grad clip 1.0, fp32, one torch thread per process, 24 steps.
+
+Sides, each at 1 and 2 processes (2: DDP on gloo, 127.0.0.1 only):
+
+- ``ray``: the platform as `rtp train` runs it (`raytrain_platform.train`): Ray Train
+  workers, Ray Data reading and tokenizing the JSONL (0.5 CPU per worker, as
+  pipelines/configs/finetune.yaml), ``parallel.strategy`` ``none`` / ``ddp``.
+- ``torchrun``: the same config on the Ray-free core, ``torchrun -m raytrain_platform.core``
+  (its in-process reader): the platform without Ray, so Ray's share is visible.
+- ``accelerate``: `_accelerate_finetune.py`, a plain Accelerate script (``accelerator.prepare``
+  of model, optimizer and DataLoader; DDP at 2 processes) launched by ``accelerate
+  launch``, everything on the command line (no config file, offline). Its windows come
+  from the platform's packer before the timed loop; it uses PyTorch's default AdamW, as
+  a user writes it (the platform uses the fused kernel).
+
+Each side's figure is tokens per step (micro-batch x 256 x processes) over the median
+step time of the steps after the first 3 (the platform's ``tokens_per_s`` from its
+metrics.jsonl: the same quantity, a batch's wait included); ratios are platform /
+Accelerate. With 1 process every side sees the same windows in the same order from the
+same weights, so their losses must agree (``loss_max_abs_diff``, checked at every step).
+Results go to ``benchmarks/vs_accelerate.json`` with the date and load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, free_port, interleaved, local_ray, stamp, torchrun_core  # noqa: E402
+
+BENCH = ROOT / "benchmarks"
+ACCELERATE_SCRIPT = BENCH / "_accelerate_finetune.py"
+WARMUP = 3  # steps left out of the medians (first batches, allocator, DDP buckets)
+LR, BETAS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 0.1
+SIZES = {  # tiny_llm model shape and data, the job, interleaved repeats, process counts
+    "full": {"hidden": 256, "layers": 4, "samples": 2000, "seq_len": 256, "batch": 8, "steps": 24, "repeats": 2,
+             "processes": [1, 2]},
+    # Smoke: 2 processes only (DDP, gloo, accelerate's torchrun path): each Ray Train run
+    # costs ~15 s of start-up here whatever its steps.
+    "smoke": {"hidden": 64, "layers": 2, "samples": 300, "seq_len": 32, "batch": 4, "steps": 6, "repeats": 1,
+              "processes": [2]},
+}
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def make_llm(folder: Path, size: dict) -> Path:
+    """tiny_llm's model (safetensors + tokenizer) and chat data under `folder` (kept if there)."""
+    from raytrain_platform.tools.tiny_llm import make_all
+
+    if not (folder / "model" / "config.json").exists() or not (folder / "data" / "chat.jsonl").exists():
+        make_all(folder, samples=size["samples"], num_layers=size["layers"], hidden_size=size["hidden"],
+                 num_heads=4, num_kv_heads=2, intermediate_size=2 * size["hidden"])
+    return folder
+
+
+def platform_config(llm: Path, processes: int, size: dict, storage: Path, name: str) -> dict:
+    return {
+        "model": {"name": "hf", "kwargs": {"path": str(llm / "model"), "init": "pretrained"}},
+        "data": {"source": "jsonl", "path": str(llm / "data" / "chat.jsonl"), "format": "chat",
+                 "seq_len": size["seq_len"], "batch_size": size["batch"], "val_fraction": 0.0,
+                 "prefetch_batches": 4},
+        "train": {"max_steps": size["steps"], "lr": LR, "lr_schedule": "constant", "warmup_steps": 0,
+                  "betas": list(BETAS), "weight_decay": WEIGHT_DECAY, "grad_clip": 1.0, "seed": 0},
+        "parallel": {"strategy": "ddp" if processes > 1 else "none"},
+        # 0.5 CPU: leaves Ray's logical CPUs for Ray Data's tokenizing task (finetune.yaml).
+        "scaling": {"num_workers": processes, "cpus_per_worker": 0.5, "torch_threads": 1},
+        "run": {"name": name, "storage_path": str(storage), "checkpoint_every": 0, "eval_every": 0,
+                "log_every": 1},
+    }
+
+
+def _platform_figures(rows: list[dict], processes: int, size: dict) -> dict:
+    if len(rows) != size["steps"]:
+        raise RuntimeError(f"expected {size['steps']} metrics rows, got {len(rows)}")
+    timed = rows[WARMUP:]
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "step_s": statistics.median(r["step_time_s"] for r in timed),
+            "data_wait_frac": statistics.median(r["data_wait_frac"] for r in timed),
+            "tokens_per_step": size["batch"] * size["seq_len"] * processes,
+            "losses": [r["loss"] for r in rows]}
+
+
+def ray_run(llm: Path, processes: int, size: dict, storage: Path, name: str) -> dict:
+    """`rtp train`'s path: Ray Train workers, Ray Data tokenizing the JSONL."""
+    from raytrain_platform.launch.trainer import train
+
+    result = train(platform_config(llm, processes, size, storage, name), progress=False)
+    return _platform_figures(result.metrics, processes, size)
+
+
+def torchrun_run(llm: Path, processes: int, size: dict, storage: Path, name: str) -> dict:
+    """The same config on the Ray-free core under torchrun (its in-process reader)."""
+    import yaml
+
+    from raytrain_platform.core.rundir import read_metrics
+
+    path = storage / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(platform_config(llm, processes, size, storage, name)))
+    torchrun_core(processes, path, label=name, timeout=900)
+    return _platform_figures(read_metrics(storage / name), processes, size)
+
+
+def accelerate_command(processes: int, port: int, script_args: list[str]) -> list[str]:
+    """``accelerate launch`` with every choice on the command line. One process: ``--cpu``
+    (a plain process). Two: ``--multi_gpu``, which is torchrun underneath; the script's
+    ``Accelerator(cpu=True)`` then makes a gloo group (``--cpu`` with 2 processes would
+    start one process, see `_accelerate_finetune.py`)."""
+    exe = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
+    if exe is None:
+        raise RuntimeError("accelerate is not installed: pip install -e '.[bench]'")
+    mode = ["--cpu"] if processes == 1 else ["--multi_gpu"]
+    return [exe, "launch", *mode, "--num_processes", str(processes), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+            str(ACCELERATE_SCRIPT), *script_args]
+
+
+def accelerate_run(llm: Path, processes: int, size: dict, work: Path, name: str) -> dict:
+    out = work / f"{name}.json"
+    script_args = ["--model", str(llm / "model"), "--data", str(llm / "data" / "chat.jsonl"),
+                   "--seq-len", str(size["seq_len"]), "--batch-size", str(size["batch"]),
+                   "--steps", str(size["steps"]), "--lr", str(LR), "--betas", *map(str, BETAS),
+                   "--weight-decay", str(WEIGHT_DECAY), "--threads", "1", "--out", str(out)]
+    # No config file (a missing path: the launcher's defaults), no hub cache of the user's.
+    env = {**os.environ, **OFFLINE_ENV, "HF_HOME": str(work / "hf_home"),
+           "ACCELERATE_CONFIG_FILE": str(work / "no_accelerate_config.yaml")}
+    proc = subprocess.run(accelerate_command(processes, free_port(), script_args), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise RuntimeError(f"{name}: accelerate launch failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    got = json.loads(out.read_text())
+    if got["processes"] != processes or (processes > 1 and got["backend"] != "gloo"):
+        raise RuntimeError(f"{name}: asked for {processes} processes on gloo, the script ran "
+                           f"{got['processes']} ({got['distributed_type']}, backend {got['backend']})")
+    step_s = statistics.median(got["step_s"][WARMUP:])
+    return {"tokens_per_s": got["tokens_per_step"] / step_s, "step_s": step_s,
+            "tokens_per_step": got["tokens_per_step"], "losses": got["losses"],
+            "backend": got["backend"], "torch_threads": got["torch_threads"]}
+
+
+SIDES = ("ray", "torchrun", "accelerate")
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b):
+        raise RuntimeError(f"loss lists of different lengths: {len(a)} vs {len(b)}")
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def summarize(runs: dict[str, list[dict]], processes: list[int], size: dict) -> dict:
+    by_n = {}
+    for n in processes:
+        got = {side: runs[f"{side}_{n}p"] for side in SIDES}
+        tps = {side: statistics.median(r["tokens_per_s"] for r in rs) for side, rs in got.items()}
+        acc_losses = got["accelerate"][0]["losses"]
+        by_n[str(n)] = {
+            "tokens_per_step": size["batch"] * size["seq_len"] * n,
+            **{f"{side}_tokens_per_s": round(v, 1) for side, v in tps.items()},
+            **{f"{side}_step_s": round(statistics.median(r["step_s"] for r in rs), 4) for side, rs in got.items()},
+            **{f"{side}_tokens_per_s_repeats": [round(r["tokens_per_s"], 1) for r in rs] for side, rs in got.items()},
+            "ray_data_wait_frac": round(statistics.median(r["data_wait_frac"] for r in got["ray"]), 4),
+            "ratio_ray": round(tps["ray"] / tps["accelerate"], 3),
+            "ratio_torchrun": round(tps["torchrun"] / tps["accelerate"], 3),
+            # First repeat: the platform's loss per step minus Accelerate's (same weights, windows, order).
+            "loss_first": round(acc_losses[0], 4), "loss_last": round(acc_losses[-1], 4),
+            "losses_accelerate": [round(x, 4) for x in acc_losses],
+            **{f"loss_max_abs_diff_{side}": round(_max_diff(got[side][0]["losses"], acc_losses), 5)
+               for side in ("ray", "torchrun")},
+        }
+    return by_n
+
+
+def measure(work: Path, *, smoke: bool, repeats: int | None = None, processes: list[int] | None = None,
+            llm_dir: Path | None = None) -> dict:
+    size = SIZES["smoke" if smoke else "full"]
+    repeats = repeats or size["repeats"]
+    processes = processes or size["processes"]
+    os.environ.update(OFFLINE_ENV)
+    llm = make_llm(llm_dir or work / "tiny-llm", size)
+    local_ray()
+    sides = {}
+    for n in processes:
+        sides[f"ray_{n}p"] = lambda i, n=n: ray_run(llm, n, size, work / "runs", f"ray_{n}p_{i}")
+        sides[f"torchrun_{n}p"] = lambda i, n=n: torchrun_run(llm, n, size, work / "runs", f"core_{n}p_{i}")
+        sides[f"accelerate_{n}p"] = lambda i, n=n: accelerate_run(llm, n, size, work / "accelerate", f"acc_{n}p_{i}")
+    runs = interleaved(sides, repeats, label="vs_accelerate ")
+    import accelerate
+    import ray
+    import torch
+    import transformers
+
+    return {**stamp(), "repeats": repeats, "warmup_steps": WARMUP, **{k: size[k] for k in ("steps", "seq_len", "batch")},
+            "model": f"tiny_llm llama, {size['layers']} layers x d {size['hidden']}, 4 heads / 2 KV heads, "
+                     f"MLP {2 * size['hidden']}, vocab 512, fp32",
+            "job": f"chat JSONL ({size['samples']} samples) packed into {size['seq_len']}+1-token windows, "
+                   f"micro-batch {size['batch']} per process, AdamW lr {LR} constant, wd {WEIGHT_DECAY}, "
+                   "grad clip 1.0, 1 torch thread per process; DDP on gloo at 2",
+            "versions": {"torch": torch.__version__, "ray": ray.__version__, "accelerate": accelerate.__version__,
+                         "transformers": transformers.__version__},
+            "processes": summarize(runs, processes, size)}
+
+
+def table(result: dict) -> str:
+    lines = ["| processes | platform (Ray) tokens/s | platform (torchrun) tokens/s | Accelerate tokens/s | "
+             "ratio Ray / Accelerate | ratio torchrun / Accelerate | loss diff (Ray, torchrun) |",
+             "|---:|---:|---:|---:|---:|---:|---|"]
+    for n, e in result["processes"].items():
+        lines.append(f"| {n} | {e['ray_tokens_per_s']:,.0f} | {e['torchrun_tokens_per_s']:,.0f} | "
+                     f"{e['accelerate_tokens_per_s']:,.0f} | {e['ratio_ray']:.3f} | {e['ratio_torchrun']:.3f} | "
+                     f"{e['loss_max_abs_diff_ray']:.1e}, {e['loss_max_abs_diff_torchrun']:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny model, a few steps, 1 repeat; writes only to --out")
+    p.add_argument("--repeats", type=int, help="interleaved repeats of every side (default 2; smoke 1)")
+    p.add_argument("--processes", help="comma-separated process counts (default 1,2; with --smoke: 2)")
+    p.add_argument("--out", type=Path, help="the JSON result (default benchmarks/vs_accelerate.json; "
+                                            "with --smoke, none)")
+    p.add_argument("--llm-dir", type=Path, help="reuse (or keep) the tiny model and data here")
+    args = p.parse_args(argv)
+    processes = [int(x) for x in args.processes.split(",") if x.strip()] if args.processes else None
+    if processes is not None and (not processes or any(n < 1 for n in processes)):
+        p.error(f"--processes: positive integers, got {args.processes!r}")
+    out = args.out or (None if args.smoke else BENCH / "vs_accelerate.json")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rtp-vs-accelerate-") as tmp:
+        result = measure(Path(tmp), smoke=args.smoke, repeats=args.repeats, processes=processes,
+                         llm_dir=args.llm_dir)
+    import ray
+
+    ray.shutdown()
+    result["command"] = " ".join(["python benchmarks/vs_accelerate.py", *(sys.argv[1:] if argv is None else argv)])
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    print(table(result))
+    print(f"{result['seconds']:.0f}s, load average {result['load_avg_1m']} at the end")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""The `hf` family: any ``transformers.AutoModelForCausalLM`` architecture, from a local
+directory in Hugging Face layout (``config.json``, ``model.safetensors`` or sharded
+safetensors with ``model.safetensors.index.json``, the tokenizer files).
+
+    model:
+      name: hf
+      kwargs: {path: /models/Llama-3.2-1B, init: pretrained, dtype: float32}
+
+- ``init: pretrained`` (default) trains from the directory's weights; ``random``
+  builds from ``config.json`` alone. Pretrained weights go straight into shards: the
+  engine builds on the meta device, applies FSDP/TP, then each rank reads only its own
+  slices of the safetensors files (core/weights.py).
+- Code from the directory never runs: a ``config.json`` with ``auto_map`` (which
+  needs ``trust_remote_code``) is refused, and so are pickled ``pytorch_model.bin``
+  weights.
+- FSDP shards each decoder layer, then the root; activation checkpointing wraps each
+  decoder layer. Llama-style decoders (llama, mistral, qwen2, qwen3) have a TP plan:
+  q/k/v and gate/up column-wise, o and down row-wise, the embedding by rows and the
+  LM head by columns; heads and key/value heads must divide by ``tp_size``. No
+  pipeline split (a clear error).
+
+Checks that need only the JSON run with the config (no torch); the rest (transformers
+knows the architecture, it is a causal LM) run before Ray starts (`precheck`).
+
+>>> HFFamily().resolve_kwargs({"path": "/no/such/dir"})
+Traceback (most recent call last):
+...
+raytrain_platform.errors.ConfigError: model.kwargs.path = '/no/such/dir': expected a local directory in Hugging Face layout (config.json, safetensors weights, tokenizer files)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from raytrain_platform.errors import ConfigError
+from raytrain_platform.models.family import ModelFamily, ServingSpec
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from raytrain_platform.models.shapes import ModelShape
+
+__all__ = ["HFFamily", "TP_MODEL_TYPES"]
+
+_KEYS = {"path": None, "init": "pretrained", "dtype": "float32", "attn_implementation": "sdpa"}
+_DTYPES = ("float32", "bfloat16", "float16")
+# Decoders whose layers are self_attn.{q,k,v,o}_proj + mlp.{gate,up,down}_proj: the TP plan's names.
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def read_hf_config(path: str) -> dict:
+    """``config.json`` of a model directory as a dict; one-line `ConfigError`s."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ConfigError("model.kwargs.path", path, "a local directory in Hugging Face layout "
+                          "(config.json, safetensors weights, tokenizer files)")
+    file = root / "config.json"
+    if not file.is_file():
+        raise ConfigError("model.kwargs.path", path, "a directory with a config.json (Hugging Face layout)")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model.kwargs.path", path, f"a readable config.json ({exc})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ConfigError("model.kwargs.path", path, "a config.json with a model_type")
+    return config
+
+
+def weight_files(path: str) -> list[str]:
+    """The safetensors files of a model directory, in index order."""
+    root = Path(path)
+    if (root / SAFETENSORS).is_file():
+        return [str(root / SAFETENSORS)]
+    index = root / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            raise ConfigError("model.kwargs.path", path, f"a readable {SAFETENSORS_INDEX} ({exc})") from None
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing or any("/" in n or n.startswith(".") for n in names):
+            raise ConfigError("model.kwargs.path", path, f"every shard its {SAFETENSORS_INDEX} names, in the "
+                              f"directory (missing: {missing[:3]})")
+        return [str(root / n) for n in names]
+    pickled = [p.name for p in root.glob("pytorch_model*.bin")]
+    detail = (f"; it has {pickled[0]}, a pickle, which is never loaded: convert it to safetensors"
+              if pickled else "")
+    raise ConfigError("model.kwargs.path", path, f"{SAFETENSORS} or {SAFETENSORS_INDEX} with its shards "
+                      f"for model.kwargs.init pretrained (or init: random){detail}")
+
+
+class HFFamily(ModelFamily):
+    name = "hf"
+    description = "a Hugging Face causal LM from a local directory (AutoModelForCausalLM)"
+
+    def resolve_kwargs(self, kwargs: Any) -> dict:
+        if not isinstance(kwargs, dict):
+            raise ConfigError("model.kwargs", kwargs, "a mapping with path (a model directory)")
+        for key in kwargs:
+            if key not in _KEYS:
+                raise ConfigError(f"model.kwargs.{key}", kwargs[key], f"no such key for model hf; keys are {list(_KEYS)}")
+        kw = {**_KEYS, **kwargs}
+        if not isinstance(kw["path"], str) or not kw["path"]:
+            raise ConfigError("model.kwargs.path", kw["path"], "a local directory in Hugging Face layout (required)")
+        # Absolute: Ray workers do not share the driver's working directory.
+        kw["path"] = os.path.abspath(os.path.expanduser(kw["path"]))
+        if kw["init"] not in ("pretrained", "random"):
+            raise ConfigError("model.kwargs.init", kw["init"], "one of ['pretrained', 'random']")
+        if kw["dtype"] not in _DTYPES:
+            raise ConfigError("model.kwargs.dtype", kw["dtype"], f"one of {list(_DTYPES)}")
+        if kw["attn_implementation"] not in ("sdpa", "eager"):
+            raise ConfigError("model.kwargs.attn_implementation", kw["attn_implementation"], "'sdpa' or 'eager'")
+        config = read_hf_config(kw["path"])
+        if "auto_map" in config:
+            raise ConfigError("model.kwargs.path", kw["path"], "a model transformers knows without the "
+                              "directory's own code (its config.json has auto_map, which needs "
+                              "trust_remote_code: refused)")
+        archs = config.get("architectures") or []
+        if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+            raise ConfigError("model.kwargs.path", kw["path"], f"a causal language model (its config.json "
+                              f"names architectures {archs})")
+        if kw["init"] == "pretrained":
+            weight_files(kw["path"])
+        return kw
+
+    def resolve_task(self, kwargs: dict, requested: str | None) -> str:
+        if requested not in (None, "lm"):
+            raise ConfigError("model.task", requested, "'lm' for model hf (or leave it out)")
+        return "lm"
+
+    def _config(self, kwargs: dict) -> dict:
+        return read_hf_config(kwargs["path"])
+
+    def max_seq_len(self, kwargs: dict) -> int | None:
+        return self._config(kwargs).get("max_position_embeddings")
+
+    def default_seq_len(self, kwargs: dict) -> int | None:
+        limit = self.max_seq_len(kwargs)
+        return min(limit, 2048) if limit else None
+
+    def default_tokenizer(self, kwargs: dict) -> str:
+        return kwargs["path"]
+
+    def vocab_size(self, kwargs: dict) -> int | None:
+        return self._config(kwargs).get("vocab_size")
+
+    def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: bool) -> None:
+        self.auto_config(kwargs)
+
+    def auto_config(self, kwargs: dict) -> Any:
+        """transformers' config object; unknown or non-causal architectures refused."""
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        path = kwargs["path"]
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        except Exception as exc:  # transformers raises ValueError/OSError/KeyError for unknown types
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise ConfigError("model.kwargs.path", path, f"a config transformers can read ({first})") from None
+        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise ConfigError("model.kwargs.path", path, f"a causal language model architecture (model_type "
+                              f"{config.model_type!r} has no AutoModelForCausalLM class)")
+        return config
+
+    # ---- the module --------------------------------------------------------------------------
+    def build(self, kwargs: dict, *, device: "str | torch.device | None" = None) -> "nn.Module":
+        """The architecture from ``config.json``, initialised by transformers (seeded by the
+        caller); pretrained weights are loaded afterwards (`pretrained_files`)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        config = self.auto_config(kwargs)
+        with torch.device(device or "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, kwargs["dtype"]),
+                                                     attn_implementation=kwargs["attn_implementation"])
+        model.config.use_cache = False  # training: no KV cache in forward
+        return model
+
+    def pretrained_files(self, kwargs: dict) -> list[str] | None:
+        return weight_files(kwargs["path"]) if kwargs["init"] == "pretrained" else None
+
+    def init_buffers(self, model: "nn.Module", device: "torch.device") -> None:
+        """Recompute non-persistent buffers (rotary ``inv_freq``) after ``to_empty``: they
+        are not in any checkpoint, and a meta build left them empty."""
+        import torch
+
+        for module in model.modules():
+            own = [n for n, _ in module.named_buffers(recurse=False)
+                   if n in getattr(module, "_non_persistent_buffers_set", set())]
+            if not own:
+                continue
+            config = getattr(module, "config", None)
+            if config is None:
+                raise RuntimeError(f"cannot rebuild buffers {own} of {type(module).__name__} after a "
+                                   "meta-device build")  # a bug for an architecture: say which
+            with torch.device(device):
+                fresh = type(module)(config)
+            for name in own:
+                setattr(module, name, getattr(fresh, name).to(device))
+
+    def blocks(self, model: "nn.Module", *, block_class: str | None = None) -> list[tuple[str, "nn.Module"]]:
+        from raytrain_platform.models.family import find_blocks
+
+        return find_blocks(model, block_class=block_class)  # the decoder layers (model.layers)
+
+    # ---- parallel plans ------------------------------------------------------------------------
+    def check_model_parallel(self, kwargs: dict, *, tp: int, pp: int, stages: int,
+                             pp_split: list[int] | None) -> None:
+        if pp > 1:
+            raise ConfigError("parallel.pp_size", pp, "1 for model 'hf' (no pipeline split for Hugging Face "
+                              "models: use FSDP, or TP within a node)")
+        if tp == 1:
+            return
+        config = self._config(kwargs)
+        model_type = config.get("model_type")
+        if model_type not in TP_MODEL_TYPES:
+            raise ConfigError("parallel.tp_size", tp, f"1 for model_type {model_type!r} (a tensor-parallel plan "
+                              f"exists for {list(TP_MODEL_TYPES)})")
+        heads = config.get("num_attention_heads")
+        kv_heads = config.get("num_key_value_heads") or heads
+        if heads % tp or kv_heads % tp:
+            raise ConfigError("parallel.tp_size", tp, f"a divisor of num_attention_heads ({heads}) and "
+                              f"num_key_value_heads ({kv_heads}): each TP rank holds whole heads")
+        if config.get("tie_word_embeddings"):
+            raise ConfigError("parallel.tp_size", tp, "1 for a model with tied input and output embeddings "
+                              "(TP splits the embedding by rows and the LM head by columns)")
+
+    def tp_plan(self, model: "nn.Module", kwargs: dict) -> dict[str, str]:
+        plan = {"model.embed_tokens": "embedding", "model.norm": "norm", "lm_head": "head"}
+        for i in range(len(model.model.layers)):  # type: ignore[union-attr, arg-type]
+            p = f"model.layers.{i}."
+            plan.update({p + "self_attn.q_proj": "colwise", p + "self_attn.k_proj": "colwise",
+                         p + "self_attn.v_proj": "colwise", p + "self_attn.o_proj": "rowwise",
+                         p + "mlp.gate_proj": "colwise", p + "mlp.up_proj": "colwise",
+                         p + "mlp.down_proj": "rowwise",
+                         p + "input_layernorm": "norm", p + "post_attention_layernorm": "norm"})
+            layer = model.model.layers[i]  # type: ignore[index, union-attr]
+            for norm in ("q_norm", "k_norm"):  # qwen3: per-head norms, over head_dim: replicated
+                if hasattr(layer.self_attn, norm):
+                    plan[p + f"self_attn.{norm}"] = "norm"
+        return plan
+
+    # ---- planner, export, serving ----------------------------------------------------------------
+    def shape(self, kwargs: dict, *, seq_len: int | None = None) -> "ModelShape":
+        from raytrain_platform.models.hf_shapes import hf_config_shape
+
+        return hf_config_shape(self._config(kwargs), name=Path(kwargs["path"]).name or "hf",
+                               seq_len=seq_len or self.default_seq_len(kwargs))
+
+    def export_hf(self, model: "nn.Module", kwargs: dict, out: str, *, tokenizer: str | None = None,
+                  max_shard_size: str = "5GB") -> None:
+        """`model` as a Hugging Face directory: ``config.json``, safetensors (sharded with
+        an index above `max_shard_size`), ``generation_config.json`` and the tokenizer
+        (from `tokenizer`, default the model's own directory)."""
+        from transformers import AutoTokenizer
+
+        model.save_pretrained(out, max_shard_size=max_shard_size)
+        source = tokenizer or kwargs["path"]
+        try:
+            tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
+        except Exception as exc:  # missing or unreadable tokenizer files
+            raise ConfigError("data.tokenizer", source, f"a tokenizer directory to export with the model ({exc})") from None
+        tok.save_pretrained(out)
+
+    def serving(self, kwargs: dict, task: str) -> ServingSpec:
+        raise ConfigError("model.name", self.name, "a model the byte-level endpoints can serve (serving "
+                          "Hugging Face models comes with the OpenAI-compatible API)")

@@ -1,0 +1,327 @@
+"""`rtp plan` for Hugging Face causal LMs: `hf_config_shape` (models/hf_shapes.py)
+against real transformers modules built from config (no download), its TP split
+against the real tensors cut the Megatron way, the memory estimate against measured
+tensors of a tiny Llama under DDP, FSDP and TP (torchrun, gloo), and
+``rtp plan --model hf:DIR`` end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, free_port
+
+from raytrain_platform.errors import ConfigError
+from raytrain_platform.models.hf_shapes import SUPPORTED_MODEL_TYPES, hf_config_shape
+from raytrain_platform.models.registry import FAMILIES
+from raytrain_platform.plan import Layout, estimate_memory
+
+STATE = ("params", "grads", "optimizer")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+TINY = {"vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 96, "max_position_embeddings": 128}
+# (model_type, config overrides): GQA everywhere (2 kv heads of 4); Llama and Qwen3 with
+# every bias they can have; a head_dim that is not hidden // heads; Mistral with an
+# attention_bias its modeling code ignores.
+ARCHS = [("llama", {}), ("qwen2", {}), ("mistral", {}), ("qwen3", {"head_dim": 16}),
+         ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen3", {"attention_bias": True}),
+         ("llama", {"head_dim": 24}), ("mistral", {"attention_bias": True, "head_dim": 8})]
+IDS = ["llama", "qwen2", "mistral", "qwen3", "llama-biases", "qwen3-biases-head_dim_128",
+       "llama-head_dim", "mistral-head_dim"]
+
+needs_hf_family = pytest.mark.skipif(
+    "hf" not in FAMILIES, reason="the hf model family (models/hf.py) is not registered yet: "
+    "measure_memory and model.name: hf build the model through it")
+
+
+def _config_class(model_type: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+            "qwen3": Qwen3Config}[model_type]
+
+
+def _config(model_type: str, *, tied: bool, **overrides):
+    return _config_class(model_type)(**{**TINY, **overrides}, tie_word_embeddings=tied)
+
+
+def _real_model(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _config_json(config) -> dict:
+    """What save_pretrained writes as config.json."""
+    return json.loads(config.to_json_string())
+
+
+def _within(measured: dict, estimated: dict, tol: float = 0.10):
+    for key in STATE:
+        m, e = measured[key], estimated[key]
+        assert m > 0 and abs(e - m) <= tol * m, (key, m, e)
+
+
+# --- exact counts against real modules -----------------------------------------------
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("model_type, overrides", ARCHS, ids=IDS)
+def test_counts_match_the_real_transformers_module(model_type, overrides, tied):
+    from torch import nn
+
+    config = _config(model_type, tied=tied, **overrides)
+    model, shape = _real_model(config), hf_config_shape(_config_json(config), seq_len=32)
+    named = dict(model.named_parameters())  # a tied head is the embedding: listed once
+    blocks = {n: p.numel() for n, p in named.items() if n.startswith("model.layers.")}
+    rest = {n: p.numel() for n, p in named.items() if not n.startswith("model.layers.")}
+    layer0 = list(model.model.layers[0].parameters())
+    assert shape.num_params == sum(p.numel() for p in named.values())
+    assert shape.num_tensors == len(named)
+    assert (shape.n_layer, shape.layer_params, shape.layer_tensors) == (
+        3, sum(p.numel() for p in layer0), len(layer0))
+    assert shape.n_layer * shape.layer_params == sum(blocks.values())
+    assert (shape.first_params, shape.first_tensors) == (named["model.embed_tokens.weight"].numel(), 1)
+    last = {n: c for n, c in rest.items() if n != "model.embed_tokens.weight"}  # final norm (+ head)
+    assert (shape.last_params, shape.last_tensors) == (sum(last.values()), len(last))
+    assert shape.tied == tied == ("lm_head.weight" not in named)
+    assert shape.layer_matmul_params == sum(m.weight.numel() for m in model.model.layers[0].modules()
+                                            if isinstance(m, nn.Linear))
+    assert shape.n_kv_head == 2 and shape.n_head == 4 and shape.seq_len == 32 and shape.exact
+
+
+def test_qwen2_has_qkv_biases_and_llama_none_by_default():
+    """What the parametrized test above relies on: the variants really differ."""
+    qwen = dict(_real_model(_config("qwen2", tied=False)).named_parameters())
+    llama = dict(_real_model(_config("llama", tied=False)).named_parameters())
+    assert {n.split(".")[-2] for n in qwen if n.endswith(".bias")} == {"q_proj", "k_proj", "v_proj"}
+    assert not any(n.endswith(".bias") for n in llama)
+    assert qwen["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 16, 64)  # GQA: 2 kv heads
+    diff = hf_config_shape({"model_type": "qwen2", **TINY}).layer_params - hf_config_shape(
+        {"model_type": "llama", **TINY}).layer_params
+    assert diff == 64 + 2 * 32  # q, k, v biases
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_keys_left_out_take_the_transformers_defaults(model_type):
+    """A config.json without sizes plans the model transformers' config class describes."""
+    from raytrain_platform.models.hf_shapes import _DEFAULTS
+
+    config = _config_class(model_type)()
+    for key, value in _DEFAULTS[model_type].items():
+        derived = {"head_dim": config.hidden_size // config.num_attention_heads,
+                   "num_key_value_heads": config.num_attention_heads}.get(key)
+        assert getattr(config, key, None) in ((value,) if value is not None else (None, derived)), key
+    assert hf_config_shape({"model_type": model_type}) == hf_config_shape(_config_json(config))
+    tiny = _config_class(model_type)(**TINY)  # sizes given, the rest (head_dim, biases) left out
+    assert hf_config_shape({"model_type": model_type, **TINY}) == hf_config_shape(_config_json(tiny))
+
+
+@pytest.mark.parametrize("config, params", [
+    ({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+      "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+      "max_position_embeddings": 131072, "tie_word_embeddings": False}, 8_030_261_248),  # Llama 3.1 8B
+    ({"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+      "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 128256, "head_dim": 64,
+      "tie_word_embeddings": True}, 1_235_814_400),  # Llama 3.2 1B
+    ({"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+      "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
+      "tie_word_embeddings": True}, 494_032_768),  # Qwen2.5 0.5B
+    ({"model_type": "mistral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+      "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000}, 7_241_732_096),  # Mistral 7B
+    ({"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+      "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936,
+      "tie_word_embeddings": True}, 596_049_920),  # Qwen3 0.6B
+], ids=["llama3.1-8b", "llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "qwen3-0.6b"])
+def test_published_model_sizes(config, params):
+    assert hf_config_shape(config).num_params == params
+
+
+@pytest.mark.parametrize("config, field, value", [
+    ({"model_type": "gpt2"}, "model.kwargs.path", "gpt2"),
+    ({"model_type": "mixtral"}, "model.kwargs.path", "mixtral"),
+    ({"model_type": "gpt_neox"}, "model.kwargs.path", "gpt_neox"),
+    ({"hidden_size": 64}, "model.kwargs.path", None),
+    ({"model_type": "llama", **TINY, "num_key_value_heads": 3}, "config.json num_key_value_heads", 3),
+    ({"model_type": "llama", **TINY, "hidden_size": 66}, "config.json num_attention_heads", 4),
+    ({"model_type": "qwen2", **TINY, "vocab_size": "300"}, "config.json vocab_size", "300"),
+])
+def test_unsupported_or_bad_configs_name_the_key(config, field, value):
+    with pytest.raises(ConfigError) as err:
+        hf_config_shape(config)
+    assert (err.value.field, err.value.value) == (field, value)
+    if field == "model.kwargs.path":
+        assert all(t in err.value.allowed for t in (*SUPPORTED_MODEL_TYPES, "--params"))
+
+
+def test_seq_len_defaults_to_the_model_limit_up_to_4096():
+    assert hf_config_shape({"model_type": "llama", **TINY}).seq_len == 128
+    assert hf_config_shape({"model_type": "mistral"}).seq_len == 4096  # 131072 positions
+    assert hf_config_shape({"model_type": "llama"}, seq_len=8192).seq_len == 8192
+    with pytest.raises(ConfigError) as err:
+        hf_config_shape({"model_type": "llama"}, seq_len=0)
+    assert err.value.field == "seq_len"
+
+
+# --- tensor parallelism: the Megatron split of the real tensors -----------------------
+
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")  # dim 0
+ROWWISE = ("o_proj", "down_proj")  # weights split on dim 1, biases replicated
+
+
+def _megatron_split(model, tp: int) -> list[int]:
+    """Parameters each TP rank holds, cutting the real tensors as DTensor's Shard does."""
+    import torch
+
+    per_rank = [0] * tp
+    for name, p in model.named_parameters():
+        module, kind = name.split(".")[-2:]
+        dim = 0 if module in COLWISE else 1 if module in ROWWISE and kind == "weight" else None
+        for rank in range(tp):
+            per_rank[rank] += p.numel() if dim is None else torch.chunk(p.detach(), tp, dim)[rank].numel()
+    return per_rank
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("model_type, overrides", ARCHS[:6], ids=IDS[:6])
+def test_tp_shards_follow_the_megatron_split(model_type, overrides, tied):
+    config = _config(model_type, tied=tied, **overrides)
+    model, shape = _real_model(config), hf_config_shape(_config_json(config))
+    layer = model.model.layers[0]
+    sharded = sum(p.numel() for n, p in layer.named_parameters()
+                  if n.split(".")[-2] in COLWISE or (n.split(".")[-2] in ROWWISE and n.endswith("weight")))
+    assert shape.tp_layer_params == sharded < shape.layer_params
+    split = _megatron_split(model, 2)
+    est = estimate_memory(model=shape, layout=Layout(tp=2))
+    assert [est.local_params] * 2 == split
+    assert est.params == 4 * split[0] and sum(split) > shape.num_params  # norms, row biases on both
+
+
+# --- the estimate against measured tensors (the hf family, torchrun) -------------------
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny Llama (GQA: 4 heads, 2 kv heads) with its tokenizer, offline."""
+    from raytrain_platform.tools.tiny_llm import make_model, make_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tok = make_tokenizer(folder)
+    make_model(folder, arch="llama", vocab_size=len(tok), max_position_embeddings=64)
+    return folder
+
+
+def _real_count(folder) -> int:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+    return sum(p.numel() for p in model.parameters())
+
+
+@needs_hf_family
+def test_hf_family_shape_is_the_config_shape(tiny_llama):
+    family = FAMILIES["hf"]
+    shape = family.shape(family.resolve_kwargs({"path": str(tiny_llama)}))
+    config = json.loads((tiny_llama / "config.json").read_text())
+    assert shape.num_params == _real_count(tiny_llama)
+    assert shape.to_dict() | {"name": "x", "seq_len": 1} == hf_config_shape(config).to_dict() | {
+        "name": "x", "seq_len": 1}
+
+
+MEASURED = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}, "tp2": {"tp_size": 2}}
+
+
+@needs_hf_family
+def test_tiny_llama_state_within_10pct_under_ddp_fsdp_tp(tiny_llama):
+    """The issue's check: parameter, gradient and optimizer bytes on each of 2 ranks after
+    one real AdamW step, against the estimate, under DDP, FSDP and TP."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "raytrain_platform.tools.measure_memory", "--model", "hf",
+           "--kwargs", json.dumps({"path": str(tiny_llama)}), "--micro-batch", "2",
+           "--parallel", json.dumps(list(MEASURED.values()))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    params = {}
+    for label, section in MEASURED.items():
+        runs = sorted((r for r in rows if r["parallel"] == section), key=lambda r: r["rank"])
+        assert [r["rank"] for r in runs] == [0, 1], (label, rows)
+        for r in runs:
+            print(label, "rank", r["rank"], "measured", r["measured"],
+                  "estimated", {k: r["estimated"][k] for k in STATE})
+            _within(r["measured"], r["estimated"])
+        params[label] = [r["measured"]["params"] for r in runs]
+    full = 4 * _real_count(tiny_llama)
+    assert params["ddp"] == [full, full]
+    assert max(params["fsdp"]) < 0.6 * full and max(params["tp2"]) < 0.6 * full  # really sharded
+
+
+# --- the command ----------------------------------------------------------------------
+
+def _rtp(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "raytrain_platform", "plan", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60, env=ENV, check=False)
+
+
+def test_cli_plans_an_hf_model_folder(tiny_llama):
+    proc = _rtp("--model", f"hf:{tiny_llama}", "--device-mem", "80GiB", "--global-batch", "8")
+    assert proc.returncode == 0, proc.stderr
+    real = _real_count(tiny_llama)
+    assert f"{real:,} parameters (exact), 2 layers, hidden 64, 4 heads (2 key/value), seq 64" in proc.stdout
+    assert "recommended: " in proc.stdout
+    proc = _rtp("--model", f"hf:{tiny_llama}", "--seq-len", "32", "--device-mem", "80GiB",
+                "--global-batch", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    model = json.loads(proc.stdout)["model"]
+    assert (model["num_params"], model["seq_len"], model["n_kv_head"]) == (real, 32, 2)
+
+
+@pytest.mark.parametrize("case", ["missing", "no_config", "not_json", "gpt2", "bare", "layers"])
+def test_cli_bad_hf_folder_is_one_line_and_exit_2(tmp_path, tiny_llama, case):
+    folder = tmp_path / "m"
+    if case != "missing":
+        folder.mkdir()
+    if case == "not_json":
+        (folder / "config.json").write_text("{not json")
+    if case == "gpt2":
+        (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
+    model = {"bare": "hf", "layers": f"hf:{tiny_llama}"}.get(case, f"hf:{folder}")
+    extra = ["--layers", "4"] if case == "layers" else []
+    proc = _rtp("--model", model, *extra, "--device-mem", "80GiB", "--global-batch", "8")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    flag = "--layers" if case == "layers" else "--model"
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag} = "), proc.stderr
+    expect = {"missing": "no folder", "no_config": "config.json", "not_json": "is not JSON",
+              "gpt2": "model_type 'gpt2'", "bare": "hf:DIR", "layers": "sizes are fixed"}[case]
+    assert expect in lines[0], lines[0]
+
+
+@needs_hf_family
+def test_cli_plans_an_hf_job_config(tmp_path, tiny_llama):
+    import yaml
+
+    cfg = {"model": {"name": "hf", "kwargs": {"path": str(tiny_llama)}},
+           "data": {"source": "text", "batch_size": 4, "seq_len": 32},
+           "train": {"max_steps": 5, "precision": "bf16"}, "scaling": {"num_workers": 2},
+           "parallel": {"strategy": "ddp"}, "run": {"name": "p"}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = _rtp(str(path), "--device-mem", "1GiB", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["model"]["num_params"] == _real_count(tiny_llama) and out["model"]["n_kv_head"] == 2
+    assert out["request"]["global_batch"] == 8 and out["request"]["precision"] == "bf16"
+    # A model_type the planner does not know: one line naming it and what is supported.
+    other = tmp_path / "neox"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "gpt_neox",
+                                                   "architectures": ["GPTNeoXForCausalLM"]}))
+    cfg["model"]["kwargs"] = {"path": str(other), "init": "random"}
+    path.write_text(yaml.safe_dump(cfg))
+    proc = _rtp(str(path), "--device-mem", "1GiB")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "gpt_neox" in lines[0] and "llama, mistral, qwen2, qwen3" in lines[0], lines
