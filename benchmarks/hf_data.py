@@ -14,6 +14,10 @@ per-step ``data_wait_frac`` (seconds the step waited in ``next(batch)`` / step t
 logged by the engine every step) after 5 warm-up steps; goal: under 5%. Also recorded:
 the driver's count of the windows before Ray starts (it tokenizes every file once) and
 the step time and tokens/s.
+
+Measured here (2 CPU cores, load 2.8): median 1.9% of a 40 ms step, worst step 10%.
+Before data/ray_data.py let the tokenized source's generator run 64 blocks ahead (Ray
+Data's default is 2), the same job waited a median 82% of each step.
 """
 
 from __future__ import annotations

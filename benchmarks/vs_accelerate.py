@@ -23,13 +23,19 @@ Sides, each at 1 and 2 processes (2: DDP on gloo, 127.0.0.1 only):
   of model, optimizer and DataLoader; DDP at 2 processes) launched by ``accelerate
   launch``, everything on the command line (no config file, offline). Its windows come
   from the platform's packer before the timed loop; it uses PyTorch's default AdamW, as
-  a user writes it (the platform uses the fused kernel).
+  a user writes it (the platform uses the fused kernel). On a CPU, 2 processes need
+  ``accelerate launch --multi_gpu`` (torchrun underneath) and ``Accelerator(cpu=True)``:
+  ``--cpu --num_processes 2`` starts one process (no ``--mpirun_hostfile``). The script
+  records its process count and backend, and a run that is not what was asked fails.
 
 Each side's figure is tokens per step (micro-batch x 256 x processes) over the median
 step time of the steps after the first 3 (the platform's ``tokens_per_s`` from its
 metrics.jsonl: the same quantity, a batch's wait included); ratios are platform /
-Accelerate. With 1 process every side sees the same windows in the same order from the
-same weights, so their losses must agree (``loss_max_abs_diff``, checked at every step).
+Accelerate. Repeats are interleaved, the order turned by one side each repeat, with a
+5 s pause before each side (the machine is shared: every side sees the same drift, and
+none always follows a Ray run's teardown). Every side deals micro-batch ``j`` to rank
+``j % processes`` from the same weights, so the global batches, and the losses, are the
+same at every step (``loss_max_abs_diff``: the platform's minus Accelerate's, 1st repeat).
 Results go to ``benchmarks/vs_accelerate.json`` with the date and load average.
 """
 
@@ -54,13 +60,15 @@ BENCH = ROOT / "benchmarks"
 ACCELERATE_SCRIPT = BENCH / "_accelerate_finetune.py"
 WARMUP = 3  # steps left out of the medians (first batches, allocator, DDP buckets)
 LR, BETAS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 0.1
-SIZES = {  # tiny_llm model shape and data, the job, interleaved repeats, process counts
+# tiny_llm model shape and data, the job, interleaved repeats, process counts, and a pause
+# before each side (a Ray run's workers take a few seconds to exit)
+SIZES = {
     "full": {"hidden": 256, "layers": 4, "samples": 2000, "seq_len": 256, "batch": 8, "steps": 24, "repeats": 2,
-             "processes": [1, 2]},
+             "processes": [1, 2], "settle_s": 5.0},
     # Smoke: 2 processes only (DDP, gloo, accelerate's torchrun path): each Ray Train run
     # costs ~15 s of start-up here whatever its steps.
     "smoke": {"hidden": 64, "layers": 2, "samples": 300, "seq_len": 32, "batch": 4, "steps": 6, "repeats": 1,
-              "processes": [2]},
+              "processes": [2], "settle_s": 0.0},
 }
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -161,6 +169,26 @@ def accelerate_run(llm: Path, processes: int, size: dict, work: Path, name: str)
             "backend": got["backend"], "torch_threads": got["torch_threads"]}
 
 
+def rotated(sides: dict, repeats: int, settle_s: float) -> dict[str, list[dict]]:
+    """`interleaved` repeats, the order turned by one side each repeat (so no side always
+    runs right after a Ray run's teardown), with `settle_s` seconds before each side for
+    the last one's processes to exit."""
+    names = list(sides)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for i in range(repeats):
+        order = names[i % len(names):] + names[:i % len(names)]
+        got = interleaved({name: lambda _, name=name, i=i: _settled(sides[name], i, settle_s) for name in order}, 1,
+                          label=f"vs_accelerate repeat {i + 1}/{repeats}: ")
+        for name in names:
+            runs[name] += got[name]
+    return runs
+
+
+def _settled(side, i: int, settle_s: float) -> dict:
+    time.sleep(settle_s)
+    return side(i)
+
+
 SIDES = ("ray", "torchrun", "accelerate")
 
 
@@ -206,7 +234,7 @@ def measure(work: Path, *, smoke: bool, repeats: int | None = None, processes: l
         sides[f"ray_{n}p"] = lambda i, n=n: ray_run(llm, n, size, work / "runs", f"ray_{n}p_{i}")
         sides[f"torchrun_{n}p"] = lambda i, n=n: torchrun_run(llm, n, size, work / "runs", f"core_{n}p_{i}")
         sides[f"accelerate_{n}p"] = lambda i, n=n: accelerate_run(llm, n, size, work / "accelerate", f"acc_{n}p_{i}")
-    runs = interleaved(sides, repeats, label="vs_accelerate ")
+    runs = rotated(sides, repeats, size["settle_s"])
     import accelerate
     import ray
     import torch
