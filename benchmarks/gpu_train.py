@@ -103,7 +103,7 @@ def mfu_flops_per_seq(n_params: int, n_layers: int, d_model: int, seq_len: int) 
     return 3 * flops_per_seq + 3 * attn_flops_per_seq
 
 
-def flop_shape(family: str, model: "torch.nn.Module", spec: dict) -> dict:
+def flop_shape(family: str, model: torch.nn.Module, spec: dict) -> dict:
     """What the MFU formula takes from a built model: the parameters it counts (gpt: all;
     hf: all but the input token embedding, a lookup), layers and attention width."""
     n_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one

@@ -14,8 +14,8 @@ on matrices), grad clip 1.0, fp32, one torch thread per process, 24 steps.
 
 Sides, each at 1 and 2 processes (2: DDP on gloo, 127.0.0.1 only):
 
-- ``ray``: the platform as `rtp train` runs it (`raytrain_platform.train`): Ray Train
-  workers, Ray Data reading and tokenizing the JSONL (0.5 CPU per worker, as
+- ``ray``: the platform, ``rtp train CONFIG`` (its own process and embedded Ray): Ray
+  Train workers, Ray Data reading and tokenizing the JSONL (0.5 CPU per worker, as
   pipelines/configs/finetune.yaml), ``parallel.strategy`` ``none`` / ``ddp``.
 - ``torchrun``: the same config on the Ray-free core, ``torchrun -m raytrain_platform.core``
   (its in-process reader): the platform without Ray, so Ray's share is visible.
@@ -50,11 +50,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, free_port, interleaved, local_ray, stamp, torchrun_core  # noqa: E402
+from common import ROOT, free_port, interleaved, load_avg, stamp, torchrun_core  # noqa: E402
 
 BENCH = ROOT / "benchmarks"
 ACCELERATE_SCRIPT = BENCH / "_accelerate_finetune.py"
@@ -110,24 +111,35 @@ def _platform_figures(rows: list[dict], processes: int, size: dict) -> dict:
             "losses": [r["loss"] for r in rows]}
 
 
-def ray_run(llm: Path, processes: int, size: dict, storage: Path, name: str) -> dict:
-    """`rtp train`'s path: Ray Train workers, Ray Data tokenizing the JSONL."""
-    from raytrain_platform.launch.trainer import train
-
-    result = train(platform_config(llm, processes, size, storage, name), progress=False)
-    return _platform_figures(result.metrics, processes, size)
-
-
-def torchrun_run(llm: Path, processes: int, size: dict, storage: Path, name: str) -> dict:
-    """The same config on the Ray-free core under torchrun (its in-process reader)."""
+def _write_config(llm: Path, processes: int, size: dict, storage: Path, name: str) -> Path:
     import yaml
-
-    from raytrain_platform.core.rundir import read_metrics
 
     path = storage / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(platform_config(llm, processes, size, storage, name)))
-    torchrun_core(processes, path, label=name, timeout=900)
+    return path
+
+
+def ray_run(llm: Path, processes: int, size: dict, storage: Path, name: str) -> dict:
+    """``rtp train CONFIG`` as a user runs it: an embedded Ray, Ray Train workers, Ray Data
+    tokenizing the JSONL. In its own process: on a shared machine another job's
+    ``ray stop`` ends that run (retried once), not the whole benchmark."""
+    from raytrain_platform.core.rundir import read_metrics
+
+    path = _write_config(llm, processes, size, storage, name)
+    proc = subprocess.run([sys.executable, "-m", "raytrain_platform", "train", str(path)], cwd=ROOT,
+                          env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=900,
+                          check=False)
+    if proc.returncode:
+        raise RuntimeError(f"{name}: rtp train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return _platform_figures(read_metrics(storage / name), processes, size)
+
+
+def torchrun_run(llm: Path, processes: int, size: dict, storage: Path, name: str) -> dict:
+    """The same config on the Ray-free core under torchrun (its in-process reader)."""
+    from raytrain_platform.core.rundir import read_metrics
+
+    torchrun_core(processes, _write_config(llm, processes, size, storage, name), label=name, timeout=900)
     return _platform_figures(read_metrics(storage / name), processes, size)
 
 
@@ -156,7 +168,7 @@ def accelerate_run(llm: Path, processes: int, size: dict, work: Path, name: str)
     env = {**os.environ, **OFFLINE_ENV, "HF_HOME": str(work / "hf_home"),
            "ACCELERATE_CONFIG_FILE": str(work / "no_accelerate_config.yaml")}
     proc = subprocess.run(accelerate_command(processes, free_port(), script_args), cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode:
         raise RuntimeError(f"{name}: accelerate launch failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     got = json.loads(out.read_text())
@@ -169,10 +181,11 @@ def accelerate_run(llm: Path, processes: int, size: dict, work: Path, name: str)
             "backend": got["backend"], "torch_threads": got["torch_threads"]}
 
 
-def rotated(sides: dict, repeats: int, settle_s: float) -> dict[str, list[dict]]:
+def rotated(sides: dict, repeats: int, settle_s: float,
+            after_repeat: Callable[[dict[str, list[dict]], int], None]) -> dict[str, list[dict]]:
     """`interleaved` repeats, the order turned by one side each repeat (so no side always
     runs right after a Ray run's teardown), with `settle_s` seconds before each side for
-    the last one's processes to exit."""
+    the last one's processes to exit; `after_repeat(runs, done)` after each repeat."""
     names = list(sides)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for i in range(repeats):
@@ -181,12 +194,23 @@ def rotated(sides: dict, repeats: int, settle_s: float) -> dict[str, list[dict]]
                           label=f"vs_accelerate repeat {i + 1}/{repeats}: ")
         for name in names:
             runs[name] += got[name]
+        after_repeat(runs, i + 1)
     return runs
 
 
-def _settled(side, i: int, settle_s: float) -> dict:
-    time.sleep(settle_s)
-    return side(i)
+def _settled(side: Callable[[str], dict], i: int, settle_s: float) -> dict:
+    """One run of `side` after `settle_s` seconds; a failed run is tried once more, under a
+    new run name (the same name would resume from the failed run's checkpoint)."""
+    for attempt in (1, 2):
+        time.sleep(settle_s)
+        try:
+            # The machine's load as the run ended: other jobs share it.
+            return {**side(f"{i}_{attempt}"), "attempts": attempt, "load_avg_1m": round(load_avg(), 1)}
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            if attempt == 2:
+                raise
+            print(f"run failed, trying once more: {str(exc)[-1500:]}", flush=True)
+    raise AssertionError("unreachable")
 
 
 SIDES = ("ray", "torchrun", "accelerate")
@@ -222,25 +246,35 @@ def summarize(runs: dict[str, list[dict]], processes: list[int], size: dict) -> 
 
 
 def measure(work: Path, *, smoke: bool, repeats: int | None = None, processes: list[int] | None = None,
-            llm_dir: Path | None = None) -> dict:
+            llm_dir: Path | None = None, on_repeat: Callable[[dict], None] = lambda result: None) -> dict:
+    """Every side at every process count, `repeats` times; `on_repeat(result so far)`
+    after each repeat (a long run on a shared machine keeps what it measured)."""
     size = SIZES["smoke" if smoke else "full"]
     repeats = repeats or size["repeats"]
     processes = processes or size["processes"]
     os.environ.update(OFFLINE_ENV)
     llm = make_llm(llm_dir or work / "tiny-llm", size)
-    local_ray()
     sides = {}
     for n in processes:
-        sides[f"ray_{n}p"] = lambda i, n=n: ray_run(llm, n, size, work / "runs", f"ray_{n}p_{i}")
-        sides[f"torchrun_{n}p"] = lambda i, n=n: torchrun_run(llm, n, size, work / "runs", f"core_{n}p_{i}")
-        sides[f"accelerate_{n}p"] = lambda i, n=n: accelerate_run(llm, n, size, work / "accelerate", f"acc_{n}p_{i}")
-    runs = rotated(sides, repeats, size["settle_s"])
+        sides[f"ray_{n}p"] = lambda tag, n=n: ray_run(llm, n, size, work / "runs", f"ray_{n}p_{tag}")
+        sides[f"torchrun_{n}p"] = lambda tag, n=n: torchrun_run(llm, n, size, work / "runs", f"core_{n}p_{tag}")
+        sides[f"accelerate_{n}p"] = lambda tag, n=n: accelerate_run(llm, n, size, work / "accelerate",
+                                                                    f"acc_{n}p_{tag}")
+    runs = rotated(sides, repeats, size["settle_s"],
+                   lambda runs, done: on_repeat(_result(runs, processes, size, done, repeats)))
+    return _result(runs, processes, size, repeats, repeats)
+
+
+def _result(runs: dict[str, list[dict]], processes: list[int], size: dict, done: int, repeats: int) -> dict:
     import accelerate
     import ray
     import torch
     import transformers
 
-    return {**stamp(), "repeats": repeats, "warmup_steps": WARMUP, **{k: size[k] for k in ("steps", "seq_len", "batch")},
+    loads = [r["load_avg_1m"] for rs in runs.values() for r in rs]
+    return {**stamp(), "repeats": done, "complete": done == repeats, "warmup_steps": WARMUP,
+            "load_avg_1m_runs": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+            **{k: size[k] for k in ("steps", "seq_len", "batch")},
             "model": f"tiny_llm llama, {size['layers']} layers x d {size['hidden']}, 4 heads / 2 KV heads, "
                      f"MLP {2 * size['hidden']}, vocab 512, fp32",
             "job": f"chat JSONL ({size['samples']} samples) packed into {size['seq_len']}+1-token windows, "
@@ -252,8 +286,8 @@ def measure(work: Path, *, smoke: bool, repeats: int | None = None, processes: l
 
 
 def table(result: dict) -> str:
-    lines = ["| processes | platform (Ray) tokens/s | platform (torchrun) tokens/s | Accelerate tokens/s | "
-             "ratio Ray / Accelerate | ratio torchrun / Accelerate | loss diff (Ray, torchrun) |",
+    lines = [("| processes | platform (Ray) tokens/s | platform (torchrun) tokens/s | Accelerate tokens/s | "
+              "ratio Ray / Accelerate | ratio torchrun / Accelerate | loss diff (Ray, torchrun) |"),
              "|---:|---:|---:|---:|---:|---:|---|"]
     for n, e in result["processes"].items():
         lines.append(f"| {n} | {e['ray_tokens_per_s']:,.0f} | {e['torchrun_tokens_per_s']:,.0f} | "
@@ -276,19 +310,23 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--processes: positive integers, got {args.processes!r}")
     out = args.out or (None if args.smoke else BENCH / "vs_accelerate.json")
     t0 = time.perf_counter()
+    command = " ".join(["python benchmarks/vs_accelerate.py", *(sys.argv[1:] if argv is None else argv)])
+
+    def save(result: dict) -> None:
+        result.update(command=command, seconds=round(time.perf_counter() - t0, 1))
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="rtp-vs-accelerate-") as tmp:
         result = measure(Path(tmp), smoke=args.smoke, repeats=args.repeats, processes=processes,
-                         llm_dir=args.llm_dir)
-    import ray
-
-    ray.shutdown()
-    result["command"] = " ".join(["python benchmarks/vs_accelerate.py", *(sys.argv[1:] if argv is None else argv)])
-    result["seconds"] = round(time.perf_counter() - t0, 1)
+                         llm_dir=args.llm_dir, on_repeat=save)
+    save(result)
     print(table(result))
-    print(f"{result['seconds']:.0f}s, load average {result['load_avg_1m']} at the end")
+    load = result["load_avg_1m_runs"]
+    print(f"{result['seconds']:.0f}s; load average at the end of each run: {load['min']}-{load['max']} "
+          f"(median {load['median']})")
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
     return 0
 

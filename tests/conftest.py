@@ -121,7 +121,9 @@ def ray_cluster():
     for key, value in JOB_ENV.items():  # the driver's side of it, as `rtp train` sets it
         os.environ.setdefault(key, value)
     # The job's environment as `rtp train` sets it.
+    # Workers import tests/user_models.py (model.name "user_models:..."), as the driver does.
+    paths = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": dict(JOB_ENV)})
+             runtime_env={"env_vars": {**JOB_ENV, "PYTHONPATH": paths}})
     yield
     ray.shutdown()

@@ -240,21 +240,6 @@ def test_fsdp_shards_each_decoder_layer_then_the_root(tmp_path):
 # ---------------------------------------------------------------- Ray
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One real local Ray for this module, whose workers can import tests/user_models.py."""
-    import ray
-
-    from raytrain_platform.launch.trainer import JOB_ENV
-
-    for key, value in JOB_ENV.items():
-        os.environ.setdefault(key, value)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {**JOB_ENV, **ENV}})
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.ray
 @pytest.mark.timeout(420)
 def test_hf_output_user_model_under_ray_matches_torchrun_and_exports_its_own_names(

@@ -248,7 +248,7 @@ def test_the_finetune_example_validates_on_the_offline_model(tmp_path):
     here; `rtp train` of it is the quickstart-sized run the README times)."""
     out = tmp_path / "tiny-llm"
     made = subprocess.run([sys.executable, "-m", "raytrain_platform.tools.tiny_llm", str(out), "--hidden", "64",
-                           "--layers", "2", "--samples", "300"], capture_output=True, text=True, cwd=ROOT,
+                           "--layers", "2"], capture_output=True, text=True, cwd=ROOT,
                           timeout=180)
     assert made.returncode == 0, made.stderr[-2000:]
     proc = subprocess.run([sys.executable, "-m", "raytrain_platform", "validate", "pipelines/configs/finetune.yaml",

@@ -284,21 +284,6 @@ def test_rtp_validate_rejects_bad_input_in_one_line(validate_runs, case):
 # ---------------------------------------------------------------- Ray
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One real local Ray for this module, whose workers can import tests/user_models.py."""
-    import ray
-
-    from raytrain_platform.launch.trainer import JOB_ENV
-
-    for key, value in JOB_ENV.items():
-        os.environ.setdefault(key, value)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {**JOB_ENV, **ENV}})
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_ray_data_tokenizes_the_same_windows_in_the_same_order(ray_cluster, tiny, tmp_path):

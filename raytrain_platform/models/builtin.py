@@ -70,6 +70,9 @@ class GPTFamily(ModelFamily):
     def max_seq_len(self, kwargs: dict) -> int:
         return kwargs["block_size"]
 
+    def vocab_size(self, kwargs: dict) -> int:
+        return kwargs["vocab_size"]  # 256: byte-level ids
+
     def build(self, kwargs: dict, *, device: "str | torch.device | None" = None) -> "nn.Module":
         from raytrain_platform.models.gpt import GPT
 

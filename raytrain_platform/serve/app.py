@@ -126,9 +126,11 @@ class ModelServer:
         if not model_id:
             of_kind = [m for m in self.catalog.values() if m["endpoint"] == endpoint]
             if len(of_kind) != 1:
+                families = "/".join(sorted({m["model"]["name"] for m in of_kind}))
                 raise error(400 if of_kind else 404,
-                            f"{len(of_kind)} models served for {_ROUTE[endpoint]}: name one with the model "
-                            f"field or the serve_multiplexed_model_id header; known ids: {known}")
+                            f"{len(of_kind)} {families + ' ' if families else ''}models served for "
+                            f"{_ROUTE[endpoint]}: name one with the model field or the "
+                            f"serve_multiplexed_model_id header; known ids: {known}")
             return of_kind[0]
         entry = self.catalog.get(model_id)
         if entry is None:
