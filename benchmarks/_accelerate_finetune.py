@@ -20,7 +20,8 @@ What matches the platform's run (`vs_accelerate.py` writes its config): the mode
 tokens each, the chat template's assistant turns as targets), micro-batch ``j`` on rank
 ``j % world`` (Accelerate's batch-sampler sharding, the platform's dealing rule), the loss
 (inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]`` where ``loss_mask[:, 1:]`` is set,
-mean cross-entropy in fp32 per rank), AdamW with weight decay on matrices only, grad clip
+cross-entropy in fp32 summed on each rank and divided by the step's assistant-token count
+over all ranks, as Hugging Face's Trainer does with ``num_items_in_batch``), AdamW with weight decay on matrices only, grad clip
 1.0, constant LR, one torch thread. The optimizer is PyTorch's default AdamW
 implementation unless ``--fused-adamw`` (the platform's choice).
 
@@ -61,13 +62,18 @@ def packed_windows(data: str, tokenizer: str, seq_len: int) -> TensorDataset:
     return TensorDataset(torch.from_numpy(tokens).long(), torch.from_numpy(mask))
 
 
-def lm_loss(model, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def lm_loss(model, tokens: torch.Tensor, loss_mask: torch.Tensor, accelerator) -> torch.Tensor:
     """Next-token loss over the assistant tokens; HF's own ``labels=`` shift is not used so
-    that inputs, targets and the fp32 cast are exactly the platform's."""
+    that inputs, targets and the fp32 cast are exactly the platform's. Summed, then divided
+    by the global count of counted tokens over the ranks (times the rank count, since DDP
+    averages gradients): each token weighs the same whichever rank holds it."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
     targets = targets.masked_fill(loss_mask[:, 1:] == 0, IGNORE_INDEX)
+    counted = accelerator.reduce((targets != IGNORE_INDEX).sum().float(), reduction="sum")
     logits = model(input_ids=inputs).logits.float()  # (B, T, vocab)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_sum * accelerator.num_processes / counted.clamp(min=1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     t_prev = time.perf_counter()
     for _ in range(args.steps):
         tokens, loss_mask = next(batches)
-        loss = lm_loss(model, tokens, loss_mask)
+        loss = lm_loss(model, tokens, loss_mask, accelerator)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -2,7 +2,7 @@
 
     rtp validate CONFIG [--set KEY=VALUE ...]
     rtp train CONFIG [--set KEY=VALUE ...] [--address ADDR] [--verbose]
-    rtp export RUN_DIR_OR_CHECKPOINT [--out DIR] [--format safetensors|hf]
+    rtp export RUN_DIR_OR_CHECKPOINT [--out DIR] [--format safetensors|hf|peft]
     rtp make-data OUT [--rows N] [--features F] [--classes C] [--files K] [--seed S]
     rtp plan [CONFIG] [--model M | --params N ...] --device-mem SIZE [...] [--json]
     rtp sweep SWEEP.yaml [--set KEY=VALUE ...] [--address ADDR] [--verbose]
@@ -19,7 +19,7 @@ import importlib
 import sys
 from typing import Callable
 
-from raytrain_platform.errors import UserError, first_line, user_cause
+from raytrain_platform.errors import UserError, describe_error, first_line, user_cause
 
 __all__ = ["main"]
 
@@ -65,6 +65,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     out = export_checkpoint(args.path, args.out, format=args.format, max_shard_size=args.max_shard_size)
     if args.format == "hf":
         print(f"exported {out} (Hugging Face layout: config.json, safetensors, tokenizer, export.json)")
+    elif args.format == "peft":
+        print(f"exported {out} (PEFT adapter: adapter_config.json, adapter_model.safetensors, export.json)")
     else:
         print(f"exported {out}/model.safetensors (+ config.yaml, export.json)")
     return 0
@@ -107,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="consolidate a checkpoint into one safetensors file for serving")
     p.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
     p.add_argument("--out", default=None, help="output folder (default: <run dir>/export)")
-    p.add_argument("--format", default="safetensors", choices=["safetensors", "hf"],
-                   help="safetensors: for rtp serve; hf: a Hugging Face directory (hf models)")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "hf", "peft"],
+                   help="safetensors: for rtp serve; hf: a Hugging Face directory (hf models); "
+                   "peft: a LoRA run's adapters for peft.PeftModel.from_pretrained (the others merge them)")
     p.add_argument("--max-shard-size", default="5GB", help="hf: safetensors shard size (then an index)")
     p.set_defaults(fn=_cmd_export)
     for name, module, add_arguments, run, help_text in _PACKAGE_COMMANDS:
@@ -128,14 +131,13 @@ def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> i
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # a failed run: one line, and where to look
-        cause = user_cause(exc)
+    except Exception as exc:  # a failed run: its root cause in one line, and where to look
+        cause = user_cause(exc)  # ours, raised inside Ray (a worker, a Ray Data task): still bad input
         if cause is not None:
-            print(f"error: {cause}", file=sys.stderr)
+            print(f"error: {first_line(cause)}", file=sys.stderr)
             return 2
         hint = " (rerun with --verbose for Ray's logs)" if hasattr(args, "verbose") else ""
-        print(f"error: {args.command} failed: {type(exc).__name__}: {first_line(exc)}{hint}",
-              file=sys.stderr)
+        print(f"error: {args.command} failed: {describe_error(exc)}{hint}", file=sys.stderr)
         return 1
 
 

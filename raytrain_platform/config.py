@@ -28,6 +28,7 @@ import yaml
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.models.family import TASKS
+from raytrain_platform.models.lora import resolve_lora
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.parallel.dims import PP_SCHEDULES, ParallelDims
 from raytrain_platform.parallel.registry import STRATEGIES, strategy_names
@@ -41,12 +42,15 @@ __all__ = [
     "ParallelConfig",
     "ScalingConfig",
     "RunConfig",
+    "TRACKERS",
     "load_config",
     "apply_overrides",
 ]
 
 _REQUIRED: Any = dataclasses.MISSING
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+# Experiment trackers `run.tracking` accepts; raytrain_platform/tracking/ implements each.
+TRACKERS: tuple[str, ...] = ("mlflow", "tensorboard")
 
 
 def _check(ok: bool, path: str, value: object, allowed: str) -> None:
@@ -67,6 +71,8 @@ class ModelConfig:
     # The class name of the repeated blocks (FSDP units, activation checkpointing);
     # default: the children of the model's largest ModuleList of one class.
     block_class: Union[str, None] = None
+    # LoRA adapters {r, alpha, dropout, target_modules}: only they train (models/lora.py).
+    lora: Union[dict, None] = None
 
     def __post_init__(self) -> None:
         family = get_family(self.name)
@@ -76,6 +82,8 @@ class ModelConfig:
         self.task = family.resolve_task(self.kwargs, self.task)
         _check(self.block_class is None or bool(re.fullmatch(r"[A-Za-z_]\w*", self.block_class)),
                "model.block_class", self.block_class, "a Python class name, or null")
+        if self.lora is not None:
+            self.lora = resolve_lora(self.lora)
 
 
 @dataclass
@@ -182,6 +190,13 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 = off
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     seed: int = 0
+    # A step whose loss or gradient norm is NaN/inf: stop (exit 1, naming the step and the
+    # newest finite checkpoint) or skip_step (no update; counted as nonfinite_skips), which
+    # stops after max_nonfinite_skips skipped steps in a row.
+    on_nonfinite: str = "stop"
+    max_nonfinite_skips: int = 10
+
+    _ON_NONFINITE: ClassVar[tuple[str, ...]] = ("stop", "skip_step")
 
     def __post_init__(self) -> None:
         _check(self.max_steps is not None or self.epochs is not None, "train.max_steps",
@@ -209,6 +224,10 @@ class TrainConfig:
         _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a number >= 0 (0 = off)")
         _check(self.precision in ("fp32", "bf16"), "train.precision", self.precision,
                "one of ['fp32', 'bf16']")
+        _check(self.on_nonfinite in self._ON_NONFINITE, "train.on_nonfinite", self.on_nonfinite,
+               f"one of {list(self._ON_NONFINITE)}")
+        _check(self.max_nonfinite_skips >= 1, "train.max_nonfinite_skips", self.max_nonfinite_skips,
+               "an integer >= 1 (consecutive skipped steps before the run stops)")
 
 
 @dataclass
@@ -318,6 +337,23 @@ class RunConfig:
     eval_every: int = 50  # optimizer steps between validation passes; 0 = only at the end
     eval_batches: int = 8  # validation micro-batches per rank per pass
     log_every: int = 1  # optimizer steps between metric reports
+    # Experiment trackers fed from rank 0 at every report (raytrain_platform/tracking/).
+    tracking: list[str] = field(default_factory=list)  # any of TRACKERS; none by default
+    # MLflow store; default MLFLOW_TRACKING_URI, else sqlite:///<storage_path>/mlflow.db
+    tracking_uri: Union[str, None] = None
+    experiment: Union[str, None] = None  # MLflow experiment; default "raytrain_platform"
+    log_checkpoints: bool = False  # also log the best checkpoint to MLflow (large)
+
+    _ALLOWED: ClassVar[dict[str, str]] = {
+        "tracking": f"a list of trackers, any of {list(TRACKERS)} (default: none)"}
+
+    @classmethod
+    def normalize(cls, data: dict) -> dict:
+        """``tracking: mlflow`` (or ``--set run.tracking=mlflow``) -> ``tracking: [mlflow]``."""
+        value = data.get("tracking")
+        if isinstance(value, str):
+            return {**data, "tracking": [value]}
+        return {**data, "tracking": []} if "tracking" in data and value is None else data
 
     def __post_init__(self) -> None:
         _check(bool(_RUN_NAME.match(self.name)), "run.name", self.name,
@@ -332,6 +368,23 @@ class RunConfig:
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, "an integer >= 0")
         _check(self.eval_batches >= 1, "run.eval_batches", self.eval_batches, "an integer >= 1")
         _check(self.log_every >= 1, "run.log_every", self.log_every, "an integer >= 1")
+        self._check_tracking()
+
+    def _check_tracking(self) -> None:
+        for i, name in enumerate(self.tracking):
+            _check(name in TRACKERS, f"run.tracking[{i}]", name, f"one of {list(TRACKERS)}")
+        self.tracking = list(dict.fromkeys(self.tracking))
+        for key in ("tracking_uri", "experiment"):
+            _check(getattr(self, key) is None or bool(getattr(self, key).strip()), f"run.{key}",
+                   getattr(self, key), "a non-empty string, or null (the default)")
+        mlflow = "mlflow" in self.tracking
+        _check(mlflow or not self.log_checkpoints, "run.log_checkpoints", self.log_checkpoints,
+               "false unless run.tracking includes mlflow")
+        # The default store is a SQLite file in storage_path, which must then be a local path.
+        _check(not mlflow or self.tracking_uri is not None or "://" not in self.storage_path
+               or bool(os.environ.get("MLFLOW_TRACKING_URI")), "run.tracking_uri", None,
+               f"an MLflow tracking URI when run.storage_path is a URI ({self.storage_path}): "
+               "the default SQLite store needs a local storage_path (or set MLFLOW_TRACKING_URI)")
 
     @property
     def run_dir(self) -> str:
@@ -476,6 +529,8 @@ def _validate_parallel_dims(cfg: JobConfig) -> None:
            f"(data-parallel size = num_workers / (tp_size x pp_size) = {n}/{tp * pp} must be whole)")
     if tp * pp == 1:
         return
+    _check(cfg.model.lora is None, "parallel.tp_size" if tp > 1 else "parallel.pp_size", tp if tp > 1 else pp,
+           "1 with model.lora (LoRA adapters have no tensor-parallel or pipeline plan: use fsdp or ddp)")
     dp = n // (tp * pp)
     stages = pp * PP_SCHEDULES[par.pp_schedule]
     get_family(cfg.model.name).check_model_parallel(cfg.model.kwargs, tp=tp, pp=pp, stages=stages, pp_split=par.pp_split)

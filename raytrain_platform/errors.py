@@ -6,7 +6,10 @@ layer turns them into a 4xx. Nothing here imports torch or Ray.
 
 from __future__ import annotations
 
-__all__ = ["UserError", "ConfigError", "DataError", "CheckpointError", "user_cause", "first_line"]
+import re
+
+__all__ = ["CheckpointError", "ConfigError", "DataError", "NonFiniteError", "UserError", "describe_error",
+           "first_line", "root_cause", "user_cause"]
 
 
 class UserError(Exception):
@@ -38,27 +41,131 @@ class CheckpointError(UserError):
     """A checkpoint is missing, partial, for another model, or unsafe to load."""
 
 
-def user_cause(exc: BaseException) -> UserError | None:
-    """A UserError raised inside a Ray worker arrives wrapped; find it."""
-    seen = set()
-    stack = [exc]
+class NonFiniteError(RuntimeError):
+    """Training produced a non-finite loss, gradient norm or weights (a diverged run).
+    Not bad input: the CLI exits 1. The message names the step and the newest
+    checkpoint whose loss was finite."""
+
+
+# Where Ray keeps the exception it wraps: RayTaskError.cause, Train v2's
+# UserExceptionWithTraceback._base_exc and ControllerError.controller_failure.
+_WRAPPED_ATTRS = ("cause", "_base_exc", "controller_failure")
+# A remote traceback whose exception object did not survive the trip (only its text did).
+_OURS_IN_TEXT = re.compile(r"raytrain_platform\.errors\.(ConfigError|DataError|CheckpointError|UserError): (.+)")
+
+
+def _links(exc: BaseException) -> list[BaseException]:
+    """The exceptions `exc` wraps, innermost-first candidates in a stable order: Ray's
+    wrapped exception, each failed worker's (by rank), a group's members, then the
+    explicit cause (or the implicit context, unless suppressed with ``from None``)."""
+    out: list[BaseException] = []
+    for name in _WRAPPED_ATTRS:
+        inner = getattr(exc, name, None)
+        if isinstance(inner, BaseException):
+            out.append(inner)
+    failures = getattr(exc, "worker_failures", None)
+    if isinstance(failures, dict):
+        out += [failures[rank] for rank in sorted(failures) if isinstance(failures[rank], BaseException)]
+    out += [e for e in getattr(exc, "exceptions", ()) or () if isinstance(e, BaseException)]
+    if exc.__cause__ is not None:
+        out.append(exc.__cause__)
+    elif exc.__context__ is not None and not exc.__suppress_context__:
+        out.append(exc.__context__)
+    return out
+
+
+def _walk(exc: BaseException) -> list[tuple[int, BaseException]]:
+    """Every exception reachable from `exc`, depth-first, each once, with its depth."""
+    seen: set[int] = set()
+    order: list[tuple[int, BaseException]] = []
+    stack = [(0, exc)]
     while stack:
-        e = stack.pop()
-        if id(e) in seen or e is None:
+        depth, e = stack.pop()
+        if id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, UserError):
-            return e
-        stack += [e.__cause__, e.__context__, getattr(e, "cause", None)]
-        stack += list(getattr(e, "worker_failures", {}).values()) if isinstance(
-            getattr(e, "worker_failures", None), dict) else []
+        order.append((depth, e))
+        stack += [(depth + 1, inner) for inner in reversed(_links(e))]
+    return order
+
+
+def _from_text(exc: BaseException) -> UserError | None:
+    """Our error named in a remote traceback's text (the object itself was lost)."""
+    for _, e in _walk(exc):
+        for text in (getattr(e, "traceback_str", None), str(e)):
+            found = _OURS_IN_TEXT.findall(text or "")
+            if found:
+                kind, message = found[-1]
+                # A ConfigError's three fields are not in its text: rebuilt as a UserError.
+                return {"DataError": DataError, "CheckpointError": CheckpointError}.get(
+                    kind, UserError)(message.strip())
     return None
 
 
-def first_line(exc: BaseException) -> str:
-    """The error a person needs: for worker failures, the last line of rank 0's traceback."""
-    failures = getattr(exc, "worker_failures", None)
-    if isinstance(failures, dict) and failures:
-        exc = failures[min(failures)]
+def user_cause(exc: BaseException) -> UserError | None:
+    """A UserError raised inside Ray arrives wrapped (a Ray task error, a Train worker
+    group error, a Tune trial error, Ray Data's retry note): find the innermost one.
+
+    >>> try:
+    ...     try:
+    ...         raise DataError("part.parquet: row group 0 has NaN or infinite features")
+    ...     except DataError as inner:
+    ...         raise RuntimeError("worker failed") from inner
+    ... except RuntimeError as outer:
+    ...     print(user_cause(outer))
+    part.parquet: row group 0 has NaN or infinite features
+    """
+    found = [(depth, e) for depth, e in _walk(exc) if isinstance(e, UserError)]
+    if found:
+        deepest = max(depth for depth, _ in found)
+        return next(e for depth, e in found if depth == deepest)
+    return _from_text(exc)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception in `exc`'s chain: what went wrong, under Ray's wrappers
+    (the first failing worker by rank when several failed)."""
+    order = _walk(exc)
+    deepest = max(depth for depth, _ in order)
+    return next(e for depth, e in order if depth == deepest)
+
+
+def _message_line(exc: BaseException) -> str:
+    """One line of an exception's own message. Ray appends notes after it (Ray Data's
+    retry advice); a traceback text (a Ray task error whose cause was lost) ends
+    with the line that names the error."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
+    if not lines:
+        return ""
+    if lines[0].startswith("Traceback") or lines[0].startswith("ray::") or getattr(exc, "traceback_str", None):
+        return lines[-1]
+    return lines[0]
+
+
+def describe_error(exc: BaseException) -> str:
+    """The error a person needs, in one line: our own error's message, else the root
+    cause's type and message.
+
+    >>> try:
+    ...     try:
+    ...         raise ValueError("boom\\nmore detail")
+    ...     except ValueError as inner:
+    ...         raise RuntimeError("Training failed due to worker errors") from inner
+    ... except RuntimeError as outer:
+    ...     print(describe_error(outer))
+    ValueError: boom
+    """
+    ours = user_cause(exc)
+    if ours is not None:
+        return _message_line(ours)
+    root = root_cause(exc)
+    line = _message_line(root)
+    if getattr(root, "traceback_str", None) or line.startswith(f"{type(root).__name__}:"):
+        return line
+    return f"{type(root).__name__}: {line}" if line else type(root).__name__
+
+
+def first_line(exc: BaseException) -> str:
+    """One line of `exc`: our own error's message, or the root cause's (see `describe_error`)."""
+    ours = user_cause(exc)
+    return _message_line(ours if ours is not None else root_cause(exc))

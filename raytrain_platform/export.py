@@ -18,18 +18,23 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors.torch import load_file
 from torch import nn
 
 from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.core.checkpoint import WEIGHTS_FILE, read_state, read_weights, write_state
-from raytrain_platform.core.sharded import load_full_model_state
+from raytrain_platform.core.sharded import load_full_model_state, load_saved_tensors
+from raytrain_platform.core.weights import load_safetensors
 from raytrain_platform.errors import CheckpointError, ConfigError
+from raytrain_platform.models.lora import ADAPTER, is_adapter, merge_lora
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE, latest_checkpoint, write_json
 
-__all__ = ["export_checkpoint", "load_model_for_inference", "EXPORT_INFO_FILE"]
+__all__ = ["export_checkpoint", "load_model_for_inference", "load_hf_directory", "is_hf_directory",
+           "EXPORT_INFO_FILE", "attach_adapters", "load_lora_base", "read_adapters"]
 
 EXPORT_INFO_FILE = "export.json"
+HF_CONFIG_FILE = "config.json"  # a Hugging Face folder's model config
 
 
 def _find_checkpoint(path: Path) -> Path:
@@ -61,7 +66,7 @@ def _read_export_info(directory: Path) -> dict:
         raise CheckpointError(f"{directory / EXPORT_INFO_FILE}: unreadable ({exc})") from None
 
 
-def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False
+def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False, merge_adapters: bool = True
                              ) -> tuple[nn.Module, JobConfig, dict]:
     """The model a run directory (its latest checkpoint), a checkpoint (sharded or not)
     or an export holds, its weights loaded without running code, in eval mode on the CPU.
@@ -69,7 +74,8 @@ def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False
     Returns ``(model, config, info)``; `info` holds ``source``, ``step``, ``metrics``,
     ``sharded_source``, ``model`` (name, kwargs, task) and ``num_params``. With `servable`,
     a model its family cannot serve is refused before the model is built.
-    A missing, partial or mismatched checkpoint is a `CheckpointError`.
+    A missing, partial or mismatched checkpoint is a `CheckpointError`. A LoRA run's
+    adapters are merged into its base (`merge_adapters`, the default), or kept apart.
 
     >>> model, cfg, info = load_model_for_inference("runs/quickstart")   # doctest: +SKIP
     >>> info["step"], cfg.model.name                                      # doctest: +SKIP
@@ -96,13 +102,49 @@ def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False
                                   f"(expected {exc.allowed})") from None
     torch.manual_seed(cfg.train.seed)
     model = family.build(cfg.model.kwargs)  # plain, on the CPU: the full tensors DCP fills in
-    weights = load_full_model_state(ckpt, model) if sharded else read_weights(ckpt, model)
-    model.load_state_dict(weights)  # names and shapes checked once more, against the model
+    if cfg.model.lora is not None and not is_export:  # the base from its own files, then the adapters
+        model = _load_adapters(model, cfg, ckpt, sharded=sharded, merge=merge_adapters)
+    else:
+        weights = load_full_model_state(ckpt, model) if sharded else read_weights(ckpt, model)
+        model.load_state_dict(weights)  # names and shapes checked once more, against the model
     model.eval()
     info = {"source": str(ckpt.resolve()), **step_metrics, "sharded_source": sharded,
             "model": {"name": cfg.model.name, "kwargs": cfg.model.kwargs, "task": cfg.model.task},
-            "num_params": sum(p.numel() for p in model.parameters())}
+            "num_params": sum(p.numel() for p in model.parameters()),
+            # A LoRA run: its adapters and base (serve/adapters.py shares one base among runs).
+            "lora": None if cfg.model.lora is None or is_export else {**cfg.model.lora, "base": state.get("base")},
+            # What serving reads text with, and (lm) the context it was trained on.
+            "tokenizer": cfg.data.tokenizer or family.default_tokenizer(cfg.model.kwargs),
+            "seq_len": cfg.data.seq_len}
     return model, cfg, info
+
+
+def is_hf_directory(path: Path) -> bool:
+    """A Hugging Face model folder (``rtp export --format hf``, or a downloaded one):
+    a ``config.json`` and no training config."""
+    return (path / HF_CONFIG_FILE).is_file() and not (path / CONFIG_FILE).is_file()
+
+
+def load_hf_directory(path: Path) -> tuple[nn.Module, dict]:
+    """The causal LM of a Hugging Face folder through the hf family: its checks
+    (no remote code, safetensors only), its build, the weights read with the same safe
+    loader as training. Step and metrics come from ``export.json`` when
+    ``rtp export`` wrote one (else step 0)."""
+    family = get_family("hf")
+    try:
+        kwargs = family.resolve_kwargs({"path": str(path)})
+        family.precheck(kwargs, block_class=None, needs_blocks=False)
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: not a servable Hugging Face model ({exc})") from None
+    step_metrics = _read_export_info(path) if (path / EXPORT_INFO_FILE).is_file() else {"step": 0, "metrics": {}}
+    model = family.build(kwargs)
+    load_safetensors(model, family.pretrained_files(kwargs) or [])
+    model.eval()
+    info = {"source": str(path.resolve()), **step_metrics, "sharded_source": False,
+            "model": {"name": family.name, "kwargs": kwargs, "task": "lm"},
+            "num_params": sum(p.numel() for p in model.parameters()), "tokenizer": kwargs["path"],
+            "seq_len": None}
+    return model, info
 
 
 def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = None, *,
@@ -114,19 +156,93 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     ``config.yaml`` + ``export.json``, what ``rtp serve`` reads. ``format="hf"`` (hf
     models): a Hugging Face directory that ``AutoModelForCausalLM.from_pretrained`` and
     ``AutoTokenizer.from_pretrained`` load, plus ``export.json``."""
-    if format not in ("safetensors", "hf"):
-        raise ConfigError("--format", format, "one of ['safetensors', 'hf']")
-    model, cfg, info = load_model_for_inference(path)
+    if format not in ("safetensors", "hf", "peft"):
+        raise ConfigError("--format", format, "one of ['safetensors', 'hf', 'peft']")
+    model, cfg, info = load_model_for_inference(path, merge_adapters=format != "peft")
     family = get_family(cfg.model.name)
     ckpt = Path(info["source"])
     target = Path(out) if out is not None else ckpt.parent / "export"
     target.mkdir(parents=True, exist_ok=True)
-    if format == "hf":
+    if format == "peft":
+        _write_peft(model, cfg, target)
+    elif format == "hf":
         family.export_hf(model, cfg.model.kwargs, str(target), tokenizer=getattr(cfg.data, "tokenizer", None),
                          max_shard_size=max_shard_size)
     else:
         state = family.export_state_dict(model.state_dict(), cfg.model.kwargs)
         write_state(target / WEIGHTS_FILE, state, kind="export")
-        (target / CONFIG_FILE).write_text(cfg.to_yaml())
+        # A LoRA run's adapters are merged in: the export is a plain model of its family.
+        (target / CONFIG_FILE).write_text(cfg.replace({"model.lora": None}).to_yaml())
     write_json(target / EXPORT_INFO_FILE, {**info, "format": format})
     return target
+
+
+def _load_adapters(model: nn.Module, cfg: JobConfig, ckpt: Path, *, sharded: bool, merge: bool) -> nn.Module:
+    """A LoRA run's model: `model` (its base, built with the run's seed) gets the
+    pretrained base weights (if any) from their own files, checked to be the base the
+    adapters were trained on, then its adapters from the checkpoint; merged or not."""
+    from raytrain_platform.models.lora import apply_lora
+
+    load_lora_base(model, cfg, ckpt)
+    model = apply_lora(model, cfg.model.lora, model_name=cfg.model.name)
+    attach_adapters(model, read_adapters(ckpt, sharded=sharded), ckpt=ckpt)
+    return merge_lora(model) if merge else model
+
+
+def load_lora_base(model: nn.Module, cfg: JobConfig, ckpt: Path) -> None:
+    """Fill `model` (the family's plain build, seeded by the run's seed) with the
+    pretrained base weights, after checking they are the base `ckpt`'s adapters were
+    trained on (a `CheckpointError` naming both otherwise)."""
+    from raytrain_platform.core.adapters import base_identity, check_base
+
+    m = cfg.model
+    files = get_family(m.name).pretrained_files(m.kwargs)
+    check_base(str(ckpt), read_state(ckpt).get("base"),
+               base_identity(model_name=m.name, kwargs=m.kwargs, seed=cfg.train.seed, files=files))
+    if files:
+        load_safetensors(model, files)
+
+
+def read_adapters(ckpt: Path, *, sharded: bool) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a LoRA checkpoint, by the trained model's own names."""
+    if sharded:
+        return load_saved_tensors(ckpt)
+    try:
+        return load_file(str(ckpt / WEIGHTS_FILE))
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"{ckpt / WEIGHTS_FILE}: not a valid safetensors file ({exc})") from None
+
+
+def attach_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], *, ckpt: Path,
+                    adapter: str = ADAPTER) -> None:
+    """Copy `adapters` (saved as adapter ``default``) into `model`'s adapter `adapter`;
+    the names must be exactly the model's adapters (a `CheckpointError` otherwise)."""
+    own = {name.replace(f".{ADAPTER}.", f".{adapter}."): name for name in adapters}
+    expected = {n for n, _ in model.named_parameters() if is_adapter(n) and f".{adapter}." in n}
+    if set(own) != expected:
+        diff = sorted(set(own) ^ expected)[:3]
+        raise CheckpointError(f"{ckpt}: its adapters do not fit this model's model.lora (differ: {diff})")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, source in own.items():
+            if params[name].shape != adapters[source].shape:
+                raise CheckpointError(f"{ckpt}: {source} has shape {list(adapters[source].shape)}, the "
+                                      f"model {list(params[name].shape)}")
+            params[name].copy_(adapters[source])
+
+
+def _write_peft(model: nn.Module, cfg: JobConfig, target: Path) -> None:
+    """A PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)
+    that ``peft.PeftModel.from_pretrained(base, DIR)`` loads over the base model."""
+    from transformers import PreTrainedModel
+
+    from raytrain_platform.models.lora import adapter_state, peft_config
+
+    if cfg.model.lora is None:
+        raise ConfigError("--format", "peft", "safetensors or hf for a run without model.lora (a PEFT "
+                          "adapter directory holds LoRA adapters)")
+    # A causal LM of transformers loads as PeftModelForCausalLM; another module as a PeftModel.
+    task_type = "CAUSAL_LM" if isinstance(model, PreTrainedModel) else None
+    config = peft_config(cfg.model.lora, base_path=cfg.model.kwargs.get("path"), task_type=task_type)
+    config.save_pretrained(str(target))
+    write_state(target / "adapter_model.safetensors", adapter_state(model), format="pt")

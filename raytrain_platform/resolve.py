@@ -20,6 +20,7 @@ from raytrain_platform.data.dealing import whole_rounds
 from raytrain_platform.data.jsonl import check_fits
 from raytrain_platform.data.sources import DataInfo, SourceSpec, describe
 from raytrain_platform.errors import ConfigError, DataError
+from raytrain_platform.models.lora import check_targets
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.plan.auto import Hardware, has_auto, local_hardware, resolve_auto
@@ -96,6 +97,8 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
     # User builders: imported, called with their kwargs on the meta device (no memory).
     family.precheck(cfg.model.kwargs, block_class=cfg.model.block_class,
                     needs_blocks=cfg.parallel.activation_checkpointing)
+    if cfg.model.lora is not None:  # every target names Linear modules (a meta-device build: no memory)
+        check_targets(family.build(cfg.model.kwargs, device="meta"), cfg.model.lora, model_name=cfg.model.name)
     notes: list[str] = []
     if has_auto(cfg):
         cfg, notes = resolve_auto(cfg, hardware or local_hardware(cfg))

@@ -27,6 +27,34 @@ def mlp_config(tmp: Path, name: str, **sections) -> dict:
     return cfg
 
 
+def hf_config(tmp: Path, name: str, model_dir: Path, **sections) -> dict:
+    """A 10-step job on the hf model in `model_dir` (synthetic tokens), one process;
+    `sections` update the config's sections key by key."""
+    cfg = {
+        "model": {"name": "hf", "kwargs": {"path": str(model_dir)}},
+        "data": {"source": "synthetic", "batch_size": 8, "num_samples": 1024, "seq_len": 32,
+                 "val_fraction": 0.05},
+        "train": {"max_steps": 10, "lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0, "seed": 0},
+        "parallel": {"strategy": "none"},
+        "scaling": {"num_workers": 1, "cpus_per_worker": 0.5, "torch_threads": 1},
+        "run": {"name": name, "storage_path": str(tmp), "checkpoint_every": 5, "eval_every": 5,
+                "eval_batches": 2, "keep_checkpoints": 4},
+    }
+    for section, values in sections.items():
+        cfg[section] = {**cfg[section], **values}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    """A pretrained tiny Llama (2 layers of 64, GQA 4/2), its tokenizer and data
+    (tools/tiny_llm.py); a module may define its own `tiny` with other sizes."""
+    from raytrain_platform.tools.tiny_llm import make_all
+
+    return make_all(tmp_path_factory.mktemp("tiny"), samples=200, hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2)
+
+
 def assert_losses_close(actual: list[float], expected: list[float], *, rtol: float, atol: float = 1e-6) -> None:
     """Two loss curves equal step by step within `rtol` (relative) + `atol`, lengths first."""
     import torch

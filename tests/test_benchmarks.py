@@ -17,6 +17,7 @@ def _run(args: list[str], timeout: int = 380) -> str:
     return proc.stdout
 
 
+@pytest.mark.extended  # a benchmark's whole pipeline, minutes on 2 cores: run with -m extended
 def test_train_vs_loop_smoke():
     out = _run(["benchmarks/train_vs_loop.py", "--smoke"])
     assert out.count("Ray Data from Parquet vs in-memory hand loop") == 1  # smoke: the small model
@@ -24,12 +25,20 @@ def test_train_vs_loop_smoke():
     assert "quickstart data wait" in out
 
 
+@pytest.mark.extended  # a benchmark's whole pipeline, minutes on 2 cores: run with -m extended
 def test_serve_bench_smoke():
     out = _run(["benchmarks/serve_bench.py", "--smoke"])
     assert "| mlp-small | on | 4 | 16 |" in out and "| gpt | off | 1 | 4 |" in out
     assert "batching gives" in out
 
 
+@pytest.mark.extended  # a Ray, a Serve app and a tiny model: ~1 min; the OpenAI API itself is tested by default
+def test_serve_llm_smoke():
+    out = _run(["benchmarks/serve_llm.py", "--smoke"])
+    assert "generate (one at a time)" in out and "served, 4 clients" in out
+
+
+@pytest.mark.extended  # a benchmark's whole pipeline, minutes on 2 cores: run with -m extended
 def test_strategies_smoke():
     """The strategy benchmark still runs: one layout of each kind, 3 steps each."""
     out = _run(["benchmarks/strategies.py", "--smoke"])
@@ -37,6 +46,7 @@ def test_strategies_smoke():
     assert len(rows) == 3, out  # none, tp2, pp2 1f1b
 
 
+@pytest.mark.extended  # a benchmark's whole pipeline, minutes on 2 cores: run with -m extended
 def test_run_smoke(tmp_path):
     """The one-command runner's new comparisons at tiny sizes, through its results writer,
     all on one Ray: Ray Data vs DataLoader ingest (and the tuning variants), 2-worker DDP

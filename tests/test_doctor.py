@@ -66,6 +66,7 @@ def _healthy(tmp_path, name, **data):
                 model={"name": "mlp", "kwargs": {"hidden_sizes": [1024, 1024]}})
 
 
+@pytest.mark.extended  # measures 1- vs 2-worker scaling: needs quiet cores (~1.5 min): run with -m extended
 def test_healthy_config_gets_no_flags(tmp_path, ray_cluster):
     # Two workers on this 2-core machine share its memory bandwidth with each other and
     # with Ray's own processes: forward+backward alone runs 15-20% slower than with one

@@ -40,6 +40,7 @@ def _rtp_train(config: Path, log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
+@pytest.mark.extended  # a failure test (SIGKILL mid-run, ~2-3 min): run with -m extended
 def test_killed_run_resumes_when_rerun(tmp_path):
     """SIGKILL `rtp train` (driver, embedded Ray and workers) after its step-10
     checkpoint; the same command again resumes there and ends where an

@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, assert_losses_close, torchrun_metrics
+from conftest import ROOT, assert_losses_close, hf_config, torchrun_metrics
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(600)
@@ -33,28 +33,7 @@ pytestmark = pytest.mark.timeout(600)
 RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict[str, Path]:
-    from raytrain_platform.tools.tiny_llm import make_all
-
-    return make_all(tmp_path_factory.mktemp("tiny"), samples=200, hidden_size=64, num_layers=2,
-                    num_heads=4, num_kv_heads=2)
-
-
-def hf_config(tmp: Path, name: str, model_dir: Path, **sections) -> dict:
-    cfg = {
-        "model": {"name": "hf", "kwargs": {"path": str(model_dir)}},
-        "data": {"source": "synthetic", "batch_size": 8, "num_samples": 1024, "seq_len": 32,
-                 "val_fraction": 0.05},
-        "train": {"max_steps": 10, "lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0, "seed": 0},
-        "parallel": {"strategy": "none"},
-        "scaling": {"num_workers": 1, "cpus_per_worker": 0.5, "torch_threads": 1},
-        "run": {"name": name, "storage_path": str(tmp), "checkpoint_every": 5, "eval_every": 5,
-                "eval_batches": 2, "keep_checkpoints": 4},
-    }
-    for section, values in sections.items():
-        cfg[section] = {**cfg[section], **values}
-    return cfg
+# The `tiny` fixture (a pretrained tiny Llama, GQA 4/2) and `hf_config` live in conftest.py.
 
 
 def _losses(rows: list[dict]) -> list[float]:

@@ -311,7 +311,9 @@ def test_two_ddp_workers_on_chat_shard_disjointly_and_match_one_process(ray_clus
     """2 DDP workers x 4 on chat JSONL: each step's two micro-batches are disjoint and
     together are the one-process reader's 8 samples of that step; the ranks trained on
     disjoint samples (the profiler's record of every rank's ids); the losses equal one
-    process with the same global batch (4 x accumulation 2) under torchrun."""
+    process with the same global batch of 8 under torchrun: the loss mask counts a
+    different number of tokens on each rank, and every counted token still weighs the same
+    (`Engine.loss_scale`)."""
     import ray
 
     from raytrain_platform.core.profile import PROFILE_FILE
@@ -342,8 +344,8 @@ def test_two_ddp_workers_on_chat_shard_disjointly_and_match_one_process(ray_clus
                      profile={"measure_from": 0, "breakdown_from": 10**6})
     dup = json.loads((result.run_dir / PROFILE_FILE).read_text())["duplicates"]
     assert dup["on_several_ranks"] == 0 and dup["samples"] == dup["distinct"] == 8 * 8, dup
-    reference = torchrun_metrics(hf_config(tmp_path / "torchrun", "accum", tiny, train={"grad_accum_steps": 2}),
-                                 tmp_path / "accum.yaml", 1, env=ENV, timeout=240)
+    reference = torchrun_metrics(hf_config(tmp_path / "torchrun", "one", tiny, data={"batch_size": 8}),
+                                 tmp_path / "one.yaml", 1, env=ENV, timeout=240)
     losses = [r["loss"] for r in result.metrics]
     assert len(losses) == 8 and losses[-1] < losses[0], losses
     assert_losses_close(losses, [r["loss"] for r in reference], rtol=RTOL)

@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"launch"},  # the only place that builds TorchTrainer and datasets
     {"export"},  # checkpoints -> served / exported models
     {"core"},  # the training engine, checkpoints, the run directory (Ray-free)
+    {"tracking"},  # MLflow and TensorBoard, fed by the engine's rank 0 (Ray-free)
     {"resolve"},  # config + data -> a runnable job
     {"plan"},  # the memory model and decision guide
     {"data"},  # sources, Ray Data pipelines, dealing

@@ -246,7 +246,9 @@ def test_coalescer_merges_waiting_batches_of_one_kind_up_to_the_limit():
 def test_health_models_and_openapi(served, runs):
     health = requests.get(served + "/healthz", timeout=30).json()
     assert health["status"] == "ok" and health["models"] == ["clf", "lm", "reg"]
-    models = {m["id"]: m for m in requests.get(served + "/v1/models", timeout=30).json()["models"]}
+    listed = requests.get(served + "/v1/models", timeout=30).json()
+    assert listed["object"] == "list" and all(m["object"] == "model" for m in listed["data"])  # OpenAI's shape
+    models = {m["id"]: m for m in listed["data"]}
     state = json.loads((next((runs / "clf").glob("checkpoint_*")) / "trainer_state.json").read_text())
     assert models["clf"]["step"] == 2 and models["clf"]["metrics"]["val_loss"] == state["metrics"]["val_loss"]
     assert models["clf"]["inputs"] == {"num_features": 16, "num_outputs": 4}
@@ -295,7 +297,7 @@ def test_models_chosen_by_header_or_field_with_an_lru_bound(served):
     assert _post(served, "/v1/predict", {"rows": _rows(1)}, headers=header).json()["model"] == "reg"
     assert _post(served, "/v1/predict", {"rows": _rows(1), "model": "clf"}).json()["model"] == "clf"
     r = _post(served, "/v1/predict", {"rows": _rows(1), "model": "clf"}, headers=header)
-    assert r.status_code == 400 and "differ" in r.json()["error"]
+    assert r.status_code == 400 and "differ" in r.json()["error"]["message"]
     assert _post(served, "/v1/generate", {"prompt": "x", "max_new_tokens": 1}).json()["model"] == "lm"
     loaded = requests.get(served + "/healthz", timeout=30).json()["loaded"]
     assert len(loaded) == LIMITS["max_models_per_replica"] and "lm" in loaded  # the least recent went
@@ -323,7 +325,7 @@ BAD_REQUESTS = [  # (what, path, raw body or JSON, headers, status, message part
      404, "unknown model id 'nope'"),
     ("several models, none named", "/v1/predict", {"rows": [[1.0] * 16]}, None, 400, "2 mlp models served"),
     ("other kind of model", "/v1/predict", {"rows": [[1.0] * 16], "model": "lm"}, None, 400,
-     "'lm' is a gpt model: use POST /v1/generate"),
+     "'lm' is a gpt model: use POST /v1/completions, /v1/chat/completions or /v1/generate"),
     ("prompt over the limit", "/v1/generate", {"prompt": "é" * 129}, None, 422, "258 UTF-8 bytes; at most 256"),
     ("empty prompt", "/v1/generate", {"prompt": ""}, None, 422, "prompt: String should have at least 1"),
     ("too many new tokens", "/v1/generate", {"prompt": "a", "max_new_tokens": 25}, None, 422, "at most 24"),
@@ -343,8 +345,9 @@ def test_bad_input_is_a_4xx_naming_the_problem_and_the_server_keeps_serving(serv
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = requests.post(served + path, data=data, headers=headers, timeout=60)
     assert r.status_code == status, r.text
-    assert message in r.json()["error"]
-    assert len(r.json()["error"].splitlines()) == 1
+    error = r.json()["error"]  # OpenAI's shape: message, type, param, code
+    assert message in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert len(error["message"].splitlines()) == 1
     ok = _post(served, "/v1/predict", {"rows": _rows(2), "model": "clf"})
     assert ok.status_code == 200 and len(ok.json()["predictions"]) == 2
 
@@ -358,7 +361,7 @@ def test_a_chunked_body_over_the_limit_is_refused_while_read(served):
 
     r = requests.post(served + "/v1/predict", data=chunks(), timeout=60,
                       headers={"content-type": "application/json"})
-    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
     assert _post(served, "/v1/predict", {"rows": _rows(1), "model": "clf"}).status_code == 200
 
 

@@ -70,3 +70,71 @@ def tuple_output() -> nn.Module:
 
 def not_a_module(width: int = 4):
     return {"width": width}
+
+
+class NanMLP(nn.Module):
+    """An MLP whose training forwards number `nan_from` to `nan_until` - 1 (counted from 0,
+    one per optimizer step without accumulation) return NaN: a run that diverges at a
+    known step, and (with `nan_until`) recovers. `nan_rank`: on that rank only."""
+
+    def __init__(self, input_dim: int, num_outputs: int, nan_from: int, nan_until: int | None,
+                 nan_rank: int | None = None):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(input_dim, 32), nn.GELU(), nn.Linear(32, num_outputs))
+        self.nan_from, self.nan_until, self.calls = nan_from, nan_until, 0
+        if nan_rank is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_rank() != nan_rank:
+                self.nan_from = 10**9
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.training:
+            bad = self.calls >= self.nan_from and (self.nan_until is None or self.calls < self.nan_until)
+            self.calls += 1
+            if bad:
+                return out * float("nan")
+        return out
+
+
+def nan_mlp(input_dim: int = 16, num_outputs: int = 4, nan_from: int = 5, nan_until: int | None = None,
+            nan_rank: int | None = None):
+    return NanMLP(input_dim, num_outputs, nan_from, nan_until, nan_rank)
+
+
+class TiedEmbeddingMLP(nn.Module):
+    """Input and output layers share one weight (tied): safetensors refuses to save
+    shared tensors, so its checkpoint save fails."""
+
+    def __init__(self, input_dim: int, num_outputs: int):
+        super().__init__()
+        self.inp = nn.Linear(input_dim, input_dim, bias=False)
+        self.out = nn.Linear(input_dim, num_outputs)
+        self.back = nn.Linear(input_dim, input_dim, bias=False)
+        self.back.weight = self.inp.weight
+
+    def forward(self, x):
+        return self.out(self.back(self.inp(x).relu()))
+
+
+def tied_mlp(input_dim: int = 16, num_outputs: int = 4):
+    return TiedEmbeddingMLP(input_dim, num_outputs)
+
+
+def failing_mlp(input_dim: int = 16, num_outputs: int = 4, fail_at: int = 2):
+    """An MLP whose training forward number `fail_at` raises ValueError (a bug in user code)."""
+    model = NanMLP(input_dim, num_outputs, nan_from=10**9, nan_until=None)
+
+    def check(module, args):
+        if module.training:
+            if module.calls == fail_at:
+                raise ValueError(f"user model failed on forward {fail_at}")
+    model.register_forward_pre_hook(check)
+    return model
+
+
+def no_linear(input_dim: int = 16, num_outputs: int = 4) -> nn.Module:
+    """A classifier with no nn.Linear (a 1x1 convolution over features): LoRA refuses it
+    (tests/test_lora.py)."""
+    return nn.Sequential(nn.Unflatten(1, (input_dim, 1)), nn.Conv1d(input_dim, num_outputs, 1), nn.Flatten())

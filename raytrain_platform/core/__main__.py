@@ -21,10 +21,12 @@ from raytrain_platform.config import load_config
 from raytrain_platform.core.dist import barrier, init_torchrun
 from raytrain_platform.core.engine import run_training
 from raytrain_platform.data.local import LocalBatches
-from raytrain_platform.errors import UserError
+from raytrain_platform.errors import NonFiniteError, UserError
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.resolve import resolve_job
 from raytrain_platform.core.rundir import CONFIG_FILE, checkpoint_name, latest_checkpoint, prune_checkpoints
+from raytrain_platform.core.rundir import TRACKING_FILE
+from raytrain_platform.tracking import TrackedRun, open_training_run
 
 
 class LocalReporter:
@@ -61,16 +63,26 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(cfg.scaling.torch_threads or max(1, math.floor(cfg.scaling.cpus_per_worker)))
     env = init_torchrun(use_gpu=cfg.scaling.use_gpu)
     run_dir = Path(cfg.run.run_dir)
+    tracked = TrackedRun()  # run.tracking: mlflow; rank 0 opens it (its trackers read the run id)
     if env.is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
+        tracked = open_training_run(cfg, state_file=run_dir / TRACKING_FILE)
     barrier()
     resume = latest_checkpoint(run_dir)
     dims = ParallelDims.from_config(cfg)  # data-parallel coordinates: TP/PP groups share batches
     source = LocalBatches(job, rank=dims.data_rank(env.rank), world_size=dims.dp)
-    final = run_training(job, env, source=source,
-                         reporter=LocalReporter(run_dir, cfg.run.keep_checkpoints, env.is_rank0),
-                         resume_dir=str(resume) if resume else None, run_dir=str(run_dir))
+    try:
+        final = run_training(job, env, source=source,
+                             reporter=LocalReporter(run_dir, cfg.run.keep_checkpoints, env.is_rank0),
+                             resume_dir=str(resume) if resume else None, run_dir=str(run_dir))
+    except NonFiniteError as exc:  # a diverged run: one line (every rank raised it; rank 0 says it)
+        tracked.finish("FAILED")
+        if env.is_rank0:
+            print(f"error: train failed: NonFiniteError: {exc}", file=sys.stderr)
+        return 1
+    tracked.log_artifacts([run_dir / CONFIG_FILE])
+    tracked.finish()
     if env.is_rank0:
         print(f"done: {final.get('step', 0)} steps, final loss {final.get('loss', float('nan')):.4f}")
     if torch.distributed.is_initialized():

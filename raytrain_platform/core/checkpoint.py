@@ -49,10 +49,13 @@ class TrainState:
 
 def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim.Optimizer,
                     state: TrainState, lr: float, config_yaml: str, metrics: dict,
-                    is_rank0: bool, world_size: int = 1, batch_size: int = 0) -> None:
+                    is_rank0: bool, world_size: int = 1, batch_size: int = 0,
+                    base: dict | None = None) -> None:
     """Write this rank's part of a checkpoint into `directory`. Called on every rank
     (sharded saves are collective); `world_size` and `batch_size` (per-rank micro-batch)
-    say what unit `state.batches_in_epoch` counts, so a resume can rescale it."""
+    say what unit `state.batches_in_epoch` counts, so a resume can rescale it. With
+    `base` (a LoRA run's frozen base, core/adapters.py), only the trainable adapters
+    are written, and the base's identity is recorded beside them."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from raytrain_platform.core.sharded import save_sharded
@@ -60,12 +63,14 @@ def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     if par.sharded:
-        save_sharded(d, module=par.module, optimizer=optimizer)
+        save_sharded(d, module=par.module, optimizer=optimizer, adapters_only=base is not None)
     else:
         # Parameter names, not positions: the same file then loads into an FSDP model.
         optim_state = get_optimizer_state_dict(par.base, optimizer)
         if is_rank0:
-            write_weights(d / WEIGHTS_FILE, par.base, version=str(FORMAT_VERSION))
+            keep = _trainable(par.base) if base is not None else None
+            write_state(d / WEIGHTS_FILE, {k: v for k, v in par.base.state_dict().items()
+                                           if keep is None or k in keep}, version=str(FORMAT_VERSION))
             torch.save(optim_state, d / OPTIM_FILE)
     if not is_rank0:
         return
@@ -78,7 +83,13 @@ def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
     write_json(d / STATE_FILE, {"format_version": FORMAT_VERSION, "state": asdict(state),
                                 "layout": {"world_size": world_size, "batch_size": batch_size},
                                 "scheduler": {"step": state.step, "lr": lr},
-                                "metrics": metrics, "sharded": bool(par.sharded), "files": files})
+                                "metrics": metrics, "sharded": bool(par.sharded), "files": files,
+                                **({"base": base} if base is not None else {})})
+
+
+def _trainable(model: torch.nn.Module) -> set[str]:
+    """Names of the parameters that train (a LoRA model's adapters)."""
+    return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
 def write_weights(path: str | os.PathLike, model: torch.nn.Module, **metadata: str) -> None:
@@ -109,9 +120,11 @@ def load_model_weights(directory: str | os.PathLike, model: torch.nn.Module) -> 
     model.load_state_dict(read_weights(directory, model))
 
 
-def read_weights(directory: str | os.PathLike, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def read_weights(directory: str | os.PathLike, model: torch.nn.Module,
+                 keys: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The safetensors weights of `directory`, checked against `model`'s names and
-    (global) shapes; a mismatch names the keys."""
+    (global) shapes, or only the names in `keys` (a LoRA checkpoint's adapters); a
+    mismatch names the keys."""
     path = Path(directory) / WEIGHTS_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} (partial checkpoint, or written "
@@ -120,7 +133,7 @@ def read_weights(directory: str | os.PathLike, model: torch.nn.Module) -> dict[s
         weights = load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types for corrupt files
         raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
-    expected = model.state_dict()
+    expected = {k: v for k, v in model.state_dict().items() if keys is None or k in keys}
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     wrong = sorted(k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape)
@@ -134,26 +147,31 @@ def read_weights(directory: str | os.PathLike, model: torch.nn.Module) -> dict[s
 
 def load_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim.Optimizer,
                     device: torch.device, world_size: int = 1, batch_size: int = 0,
-                    epoch_rows: int = 0) -> TrainState:
+                    epoch_rows: int = 0, base: dict | None = None) -> TrainState:
     """Restore model and optimizer in place, whatever format the checkpoint has and
     whatever strategy and world size `par` has; returns the train state to continue
-    from, its data position converted to this world size and micro-batch."""
+    from, its data position converted to this world size and micro-batch. With `base`
+    (a LoRA run), only the adapters are read, after checking they were trained on it."""
     data = read_state(directory)
+    from raytrain_platform.core.adapters import check_base
+
+    check_base(str(directory), data.get("base"), base)
     if data.get("sharded"):
         from raytrain_platform.core.sharded import load_sharded
 
-        load_sharded(directory, module=par.module, optimizer=optimizer)
+        load_sharded(directory, module=par.module, optimizer=optimizer, adapters_only=base is not None)
     else:
-        _load_unsharded(directory, data, par=par, optimizer=optimizer, device=device)
+        _load_unsharded(directory, data, par=par, optimizer=optimizer, device=device,
+                        adapters_only=base is not None)
     return _map_position(directory, data, world_size=world_size, batch_size=batch_size,
                          epoch_rows=epoch_rows)
 
 
-def _load_unsharded(directory, data: dict, *, par, optimizer, device) -> None:
+def _load_unsharded(directory, data: dict, *, par, optimizer, device, adapters_only: bool = False) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    weights = read_weights(directory, par.base)
+    weights = read_weights(directory, par.base, keys=_trainable(par.base) if adapters_only else None)
     optim_path = Path(directory) / OPTIM_FILE
     if not optim_path.is_file():
         raise CheckpointError(f"{directory}: no {OPTIM_FILE} (partial checkpoint)")
@@ -169,11 +187,12 @@ def _load_unsharded(directory, data: dict, *, par, optimizer, device) -> None:
         optimizer.load_state_dict(optim_state)
         return
     if par.sharded:  # full tensors in, each rank keeps its shard
-        full = StateDictOptions(full_state_dict=True)
+        full = StateDictOptions(full_state_dict=True, strict=not adapters_only,
+                                ignore_frozen_params=adapters_only)
         set_model_state_dict(par.module, weights, options=full)
         set_optimizer_state_dict(par.module, optimizer, optim_state, options=full)
     else:
-        par.base.load_state_dict(weights)
+        par.base.load_state_dict(weights, strict=not adapters_only)
         set_optimizer_state_dict(par.base, optimizer, optim_state)
 
 

@@ -6,8 +6,10 @@ leave through a `Reporter`, and nothing here imports Ray.
 
 One optimizer step = ``grad_accum_steps`` micro-steps per rank. Every micro-step
 but the last runs under the strategy's ``no_sync()`` (no gradient all-reduce),
-and each micro-loss is divided by ``grad_accum_steps``, so the step's gradient is
-the mean over the global batch, whatever the split into ranks and micro-steps.
+and each micro-batch's summed loss is divided by the step's count of targets over
+all data-parallel ranks and micro-steps (`Engine.loss_scale`), so the step's gradient
+is the mean over every counted target of the global batch, whatever the split into
+ranks and micro-steps, also when a loss mask counts different tokens in each.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 import torch
 
+from raytrain_platform.core.adapters import base_identity, param_counts, reset_adapters
 from raytrain_platform.core.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
+from raytrain_platform.core.nonfinite import NonFiniteGuard
 from raytrain_platform.core.optim import build_optimizer, lr_at
 from raytrain_platform.core.profile import StepProfiler
 from raytrain_platform.core.weights import load_safetensors, materialize
+from raytrain_platform.models.lora import apply_lora, base_source_name
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.tasks import get_task
 from raytrain_platform.parallel.base import Parallelized
@@ -32,7 +38,8 @@ from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.parallel.memory import state_bytes
 from raytrain_platform.parallel.registry import get_strategy
 from raytrain_platform.resolve import ResolvedJob
-from raytrain_platform.core.rundir import MetricsLog
+from raytrain_platform.core.rundir import TRACKING_FILE, MetricsLog
+from raytrain_platform.tracking.steps import open_step_trackers
 
 __all__ = ["BatchSource", "Reporter", "Engine", "run_training"]
 
@@ -85,6 +92,10 @@ class Engine:
         self.autocast = (torch.autocast(device_type=env.device.type, dtype=torch.bfloat16)
                          if self.cfg.train.precision == "bf16" else contextlib.nullcontext())
         self._config_yaml = self.cfg.to_yaml()
+        t = self.cfg.train
+        self.nonfinite = NonFiniteGuard(policy=t.on_nonfinite, max_skips=t.max_nonfinite_skips,
+                                        run_dir=run_dir or self.cfg.run.run_dir)
+        self.step_skipped = False  # the last optimizer step was skipped (train.on_nonfinite)
 
     def _parallelize(self, model: torch.nn.Module) -> Parallelized:
         m = self.cfg.model
@@ -98,9 +109,14 @@ class Engine:
         m, par = self.cfg.model, self.cfg.parallel
         torch.manual_seed(self.cfg.train.seed)
         files = self.family.pretrained_files(m.kwargs)
+        self.base = None if m.lora is None else base_identity(
+            model_name=m.name, kwargs=m.kwargs, seed=self.cfg.train.seed, files=files)
         if files is None:
-            return self._parallelize(self.family.build(m.kwargs).to(self.env.device))
-        model = self.family.build(m.kwargs, device="meta")
+            model = self._adapt(self.family.build(m.kwargs))
+            if m.lora is not None:
+                reset_adapters(model, self.cfg.train.seed)
+            return self._parallelize(model.to(self.env.device))
+        model = self._adapt(self.family.build(m.kwargs, device="meta"))
         if get_strategy(par.strategy).shards_state or par.tp_size * par.pp_size > 1:
             # No rank ever holds the whole model: split the meta model, then each rank
             # gives its shards storage and reads only their slices of the files.
@@ -111,11 +127,22 @@ class Engine:
         self._fill(model, files, resuming=resuming)
         return self._parallelize(model)
 
+    def _adapt(self, model: torch.nn.Module) -> torch.nn.Module:
+        """LoRA adapters injected (``model.lora``), before any parallelism wraps the
+        model; its parameter counts recorded for the metrics and summary."""
+        if self.cfg.model.lora is not None:
+            model = apply_lora(model, self.cfg.model.lora, model_name=self.cfg.model.name)
+        self.param_counts = param_counts(model)
+        return model
+
     def _fill(self, model: torch.nn.Module, files: list[str], *, resuming: bool) -> None:
         materialize(model, self.env.device)
         self.family.init_buffers(model, self.env.device)
-        if not resuming:  # a resumed run reads its own checkpoint instead
-            load_safetensors(model, files)
+        lora = self.cfg.model.lora is not None
+        if not resuming or lora:  # a resumed run reads its own checkpoint (LoRA: adapters only)
+            load_safetensors(model, files, source_name=base_source_name if lora else None)
+        if lora:
+            reset_adapters(model, self.cfg.train.seed)
 
     # ------------------------------------------------------------ state
 
@@ -123,13 +150,16 @@ class Engine:
         self.state = load_checkpoint(directory, par=self.par, optimizer=self.optimizer,
                                      device=self.env.device, world_size=self.data_world,
                                      batch_size=self.cfg.data.batch_size,
-                                     epoch_rows=self.job.steps_per_epoch * self.job.rows_per_step)
+                                     epoch_rows=self.job.steps_per_epoch * self.job.rows_per_step,
+                                     base=self.base)
 
     def save(self, directory: str, metrics: dict) -> None:
+        self.nonfinite.check_weights(self.par.module, step=self.state.step)  # never save NaN weights
         save_checkpoint(directory, par=self.par, optimizer=self.optimizer, state=self.state,
                         lr=self.optimizer.param_groups[0]["lr"], config_yaml=self._config_yaml,
                         metrics=metrics, is_rank0=self.env.is_rank0,
-                        world_size=self.data_world, batch_size=self.cfg.data.batch_size)
+                        world_size=self.data_world, batch_size=self.cfg.data.batch_size, base=self.base)
+        self.nonfinite.saved(self.state.step)
 
     # ------------------------------------------------------------ steps
 
@@ -141,20 +171,38 @@ class Engine:
             out[k] = v.to(self.env.device, non_blocking=True)
         return out
 
-    def micro_step(self, batch: Batch, *, sync: bool) -> torch.Tensor:
+    def loss_scale(self, batches: list[Batch]) -> float:
+        """What each micro-batch's summed loss is multiplied by: data-parallel size over
+        the optimizer step's counted targets on all data-parallel ranks. DDP and FSDP
+        average gradients over those ranks, so the step's gradient is the mean over every
+        counted target of the global batch, whatever the layout or accumulation."""
+        local = sum(self.task.num_targets(self.task.split(b)[1]) for b in batches)
+        if "loss_mask" not in batches[0]:  # every rank counts the same number
+            return 1.0 / max(local, 1)
+        # Masked targets differ per rank: one scalar all-reduce. TP/PP ranks of one
+        # data-parallel group hold the same batch, so the world sum counts it `copies` times.
+        copies = self.env.world_size // self.data_world
+        total = float(all_reduce_sum(torch.tensor(float(local), device=self.env.device))) / copies
+        return self.data_world / max(total, 1.0)
+
+    def micro_step(self, batch: Batch, *, sync: bool, scale: float | None = None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; its loss times `scale` (default: the
+        mean over this micro-batch alone, for a step of one micro-batch)."""
         inputs, targets = self.task.split(batch)
-        accum = self.cfg.train.grad_accum_steps
+        scale = self.loss_scale([batch]) if scale is None else scale
         if self.par.pipeline is not None:  # PP: the schedule runs forward and backward
             with self.autocast:
                 return self.par.pipeline.train(
-                    inputs, targets, lambda out, tgt: self.task.loss(out, tgt) / accum, sync=sync)
+                    inputs, targets, lambda out, tgt: self.task.loss_sum(out, tgt) * scale, sync=sync)
         with contextlib.nullcontext() if sync else self.par.no_sync():
             with self.autocast:
-                loss = self.task.loss(self.par.module(inputs), targets) / accum
+                loss = self.task.loss_sum(self.par.module(inputs), targets) * scale
             loss.backward()
         return loss.detach()
 
-    def optimizer_step(self) -> float:
+    def optimizer_step(self, loss_sum: torch.Tensor | None = None) -> float:
+        """Clip, check the step is finite (`NonFiniteGuard`: stop, or skip the update and
+        set `step_skipped`), update, zero the gradients; returns the gradient norm."""
         lr = lr_at(self.state.step, self.cfg.train, self.job.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -165,6 +213,13 @@ class Engine:
             norm = torch.nn.utils.clip_grad_norm_(self.par.module.parameters(), self.cfg.train.grad_clip)
             full = getattr(norm, "full_tensor", None)  # a DTensor (FSDP2): the global norm
             grad_norm = float(full() if full else norm)
+        clipped = self.cfg.train.grad_clip > 0
+        self.step_skipped = not self.nonfinite.step_ok(
+            torch.zeros(()) if loss_sum is None else loss_sum, grad_norm if clipped else None,
+            self.par.module.parameters(), step=self.state.step + 1)
+        if self.step_skipped:  # weights and optimizer state stay as they were
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm
         self.optimizer.step()
         if self._memory is None:  # params, grads and optimizer state all exist right now
             self._memory = self._measure_memory()
@@ -176,7 +231,7 @@ class Engine:
         the local shards (a DTensor counts only its ``to_local()`` part)."""
         held = state_bytes(self.par.module, self.optimizer)
         return {"param_bytes": held["params"], "grad_bytes": held["grads"],
-                "optim_bytes": held["optimizer"]}
+                "optim_bytes": held["optimizer"], **self.param_counts}
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> dict[str, float]:
@@ -202,6 +257,19 @@ class Engine:
         skip = self.state.batches_in_epoch
         return itertools.islice(it, skip, usable)
 
+    def _step_batches(self, it: Iterator[Batch], accum: int) -> tuple[list[Batch], float]:
+        """The optimizer step's micro-batches on the device (fewer at the epoch's end),
+        and the seconds spent waiting for them."""
+        batches, wait = [], 0.0
+        for _ in range(accum):
+            t0 = time.perf_counter()
+            batch = next(it, None)
+            wait += time.perf_counter() - t0
+            if batch is None:
+                break
+            batches.append(self._to_device(batch))
+        return batches, wait
+
     def _due(self, every: int, last: bool) -> bool:
         return last or (every > 0 and self.state.step % every == 0)
 
@@ -219,33 +287,28 @@ class Engine:
             it = self._epoch_iter(source)
             while self.state.step < total:
                 _reseed(_seed_for(cfg.train.seed, self.state.step, self.data_rank), self.env.device)
-                loss_sum, data_wait, n_units, got = torch.zeros((), device=self.env.device), 0.0, 0, 0
+                loss_sum, n_units = torch.zeros((), device=self.env.device), 0
                 comm_before = self.par.comm.calls
                 mode = self.profiler.mode(self.state.step) if self.profiler else None
                 apart = mode == "breakdown" and self.par.sync_grads is not None
                 t_step, compute = time.perf_counter(), 0.0
-                for micro in range(accum):
-                    t0 = time.perf_counter()
-                    batch = next(it, None)
-                    data_wait += time.perf_counter() - t0
-                    if batch is None:
-                        break
-                    batch = self._to_device(batch)
+                batches, data_wait = self._step_batches(it, accum)
+                if len(batches) < accum:  # end of epoch (only whole steps are dealt, so none)
+                    break
+                scale = self.loss_scale(batches)
+                for micro, batch in enumerate(batches):
                     if mode:
                         self.profiler.see(self.state.epoch, batch["sample_id"])
                     n_units += batch["sample_id"].numel() * self.task.units_per_sample(batch)
                     t1 = time.perf_counter()
-                    loss_sum += self.micro_step(batch, sync=micro == accum - 1 and not apart)
+                    loss_sum += self.micro_step(batch, scale=scale, sync=micro == accum - 1 and not apart)
                     compute += self._since(t1, mode)
-                    got += 1
-                if got < accum:  # end of epoch (only whole steps are dealt, so got == 0)
-                    break
                 t2 = time.perf_counter()
                 if apart:
                     self.par.sync_grads()
                 comm = self._since(t2, mode)
                 t3 = time.perf_counter()
-                grad_norm = self.optimizer_step()
+                grad_norm = self.optimizer_step(loss_sum)
                 if mode:
                     self.profiler.record(step=self.state.step, mode=mode, data_wait_s=data_wait,
                                          compute_s=compute, comm_s=comm if apart else None,
@@ -271,7 +334,7 @@ class Engine:
                     metrics.update(self.evaluate(val_cache))
                 last_metrics = metrics
                 save = None
-                if self._due(cfg.run.checkpoint_every, last):
+                if self._due(cfg.run.checkpoint_every, last) and not self.step_skipped:
                     save = lambda d, m=metrics: self.save(d, m)  # noqa: E731
                 if log is not None and self.env.is_rank0:
                     log.append(metrics)
@@ -315,6 +378,8 @@ class Engine:
             "data_wait_frac": min(1.0, window["wait"] / elapsed),
             "grad_allreduces": comm_calls,
             "samples_seen": self.state.samples_seen,
+            **({"nonfinite_skips": self.nonfinite.skipped}
+               if self.cfg.train.on_nonfinite == "skip_step" else {}),
         }
         if self.task.name == "lm":
             metrics["tokens_per_s"] = float(packed[1]) / copies / elapsed
@@ -331,5 +396,13 @@ def run_training(job: ResolvedJob, env: DistEnv, *, source: BatchSource, reporte
     engine = Engine(job, env, run_dir=run_dir, profiler=profiler, resuming=bool(resume_dir))
     if resume_dir:
         engine.restore(resume_dir)
-    log = MetricsLog(run_dir, resume_step=engine.state.step) if (run_dir and env.is_rank0) else None
-    return engine.fit(source, reporter, log=log)
+    log = trackers = None
+    if run_dir and env.is_rank0:  # rank 0 writes metrics.jsonl, then feeds run.tracking's trackers
+        trackers = open_step_trackers(job.config.run.tracking, run_dir=run_dir, resume_step=engine.state.step,
+                                      state_file=Path(run_dir) / TRACKING_FILE, world_size=env.world_size)
+        log = MetricsLog(run_dir, resume_step=engine.state.step, on_append=trackers.log)
+    try:
+        return engine.fit(source, reporter, log=log)
+    finally:
+        if trackers is not None:
+            trackers.close()

@@ -5,6 +5,8 @@
         metrics.jsonl       one JSON object per reported step
         summary.json        final metrics, wall time, best checkpoint
         plot.png            loss and throughput
+        tracking.json       the MLflow run id and store (run.tracking: mlflow)
+        events.out.tfevents.*  TensorBoard scalars (run.tracking: tensorboard)
         checkpoint_000050/  model.safetensors, optimizer.pt, trainer_state.json, config.yaml
 
 No torch or Ray here.
@@ -13,15 +15,18 @@ No torch or Ray here.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 __all__ = [
-    "CONFIG_FILE", "METRICS_FILE", "SUMMARY_FILE", "PLOT_FILE",
+    "CONFIG_FILE", "METRICS_FILE", "SUMMARY_FILE", "PLOT_FILE", "TRACKING_FILE",
     "MetricsLog", "read_metrics", "list_checkpoints", "prune_checkpoints", "latest_checkpoint", "best_checkpoint",
+    "newest_finite_checkpoint", "check_storage",
     "write_json", "checkpoint_name",
 ]
 
@@ -29,8 +34,46 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "plot.png"
+TRACKING_FILE = "tracking.json"
 STATE_FILE = "trainer_state.json"
 _CKPT = re.compile(r"^checkpoint_(\d+)$")
+
+
+def check_storage(path: str) -> None:
+    """``run.storage_path``, before any Ray resource is asked for: a local folder that
+    exists (or can be created: its nearest existing parent is a folder) and is writable,
+    or a URI whose filesystem pyarrow resolves. Nothing is created here.
+
+    >>> check_storage("/proc/version")
+    Traceback (most recent call last):
+    ...
+    raytrain_platform.errors.ConfigError: run.storage_path = '/proc/version': expected a folder for run directories; it is a file
+    """
+    from raytrain_platform.errors import ConfigError
+
+    field = "run.storage_path"
+    if "://" in path:
+        try:
+            import pyarrow.fs
+
+            pyarrow.fs.FileSystem.from_uri(path)
+        except Exception as exc:  # pyarrow raises several types for unknown schemes and bad URIs
+            reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+            raise ConfigError(field, path, f"a URI whose filesystem resolves ({reason})") from None
+        return
+    target = Path(path)
+    existing = target
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent  # where the missing folders would be created
+    if not existing.is_dir():
+        where = "it is a file" if existing == target else f"{existing} is a file, so it cannot be created"
+        raise ConfigError(field, path, f"a folder for run directories; {where}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise ConfigError(field, path, f"a writable folder; {existing} is not writable "
+                                       f"({exc.strerror or type(exc).__name__})") from None
 
 
 def checkpoint_name(step: int) -> str:
@@ -48,10 +91,13 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 
 class MetricsLog:
     """Appends one JSON line per report. On resume, lines past the resumed step are
-    dropped first, so the file reads as one uninterrupted run."""
+    dropped first, so the file reads as one uninterrupted run. `on_append` gets each
+    report once it is in the file (rank 0's experiment trackers)."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, resume_step: int = 0):
+    def __init__(self, run_dir: str | os.PathLike, *, resume_step: int = 0,
+                 on_append: Callable[[dict], None] | None = None):
         self.path = Path(run_dir) / METRICS_FILE
+        self.on_append = on_append
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [m for m in read_metrics(self.path.parent) if m.get("step", 0) <= resume_step]
         tmp = self.path.with_suffix(".tmp")
@@ -62,6 +108,8 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
             f.flush()
+        if self.on_append is not None:
+            self.on_append(metrics)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
@@ -113,10 +161,33 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _recorded_loss_finite(ckpt: Path) -> bool:
+    """Whether the checkpoint's trainer state records a finite training loss."""
+    try:
+        loss = json.loads((ckpt / STATE_FILE).read_text()).get("metrics", {}).get("loss")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(loss, (int, float)) and math.isfinite(loss)
+
+
+def newest_finite_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint whose recorded loss is finite (a diverged run's
+    last good state), or None."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        if _recorded_loss_finite(ckpt):
+            return ckpt
+    return None
+
+
 def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints."""
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    """Delete all but the newest `keep` complete checkpoints, and never the newest one
+    whose recorded loss was finite: checkpoints of a run gone NaN do not push out its
+    last good state."""
+    ckpts = list_checkpoints(run_dir)
+    protected = newest_finite_checkpoint(run_dir)
+    for old in ckpts[:-keep]:
+        if old != protected:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
@@ -130,7 +201,7 @@ def best_checkpoint(run_dir: str | os.PathLike, metric: str = "val_loss") -> Pat
     for ckpt in list_checkpoints(run_dir):
         state = json.loads((ckpt / STATE_FILE).read_text())
         value = state.get("metrics", {}).get(metric)
-        if value is not None:
+        if isinstance(value, (int, float)) and math.isfinite(value):  # NaN never compares lowest
             scored.append((value, ckpt))
     if scored:
         return min(scored, key=lambda t: t[0])[1]

@@ -39,12 +39,12 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from raytrain_platform.errors import CheckpointError
 
 __all__ = ["SHARDED_DIR", "SafeFileSystemReader", "safe_load_metadata", "save_sharded",
-           "load_sharded", "load_full_model_state"]
+           "load_sharded", "load_full_model_state", "load_saved_tensors"]
 
 SHARDED_DIR = "sharded"  # DCP files live in <checkpoint>/sharded/
 _METADATA_FILE = ".metadata"
@@ -172,32 +172,55 @@ def _load(state: dict, directory: str | os.PathLike, what: str, **kwargs) -> Non
 
 
 def save_sharded(directory: str | os.PathLike, *, module: nn.Module,
-                 optimizer: torch.optim.Optimizer) -> None:
-    """Collective: every rank writes its shard of model and optimizer state (FQN-keyed)."""
-    model_sd, optim_sd = get_state_dict(module, optimizer)
+                 optimizer: torch.optim.Optimizer, adapters_only: bool = False) -> None:
+    """Collective: every rank writes its shard of model and optimizer state (FQN-keyed);
+    with `adapters_only` (LoRA), the trainable parameters only, not the frozen base."""
+    model_sd, optim_sd = get_state_dict(module, optimizer,
+                                        options=StateDictOptions(ignore_frozen_params=adapters_only))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(directory) / SHARDED_DIR))
 
 
 def load_sharded(directory: str | os.PathLike, *, module: nn.Module,
-                 optimizer: torch.optim.Optimizer) -> None:
+                 optimizer: torch.optim.Optimizer, adapters_only: bool = False) -> None:
     """Collective: restore model and optimizer from DCP shards into `module`'s own layout
-    (FSDP shards at any world size, or the full tensors of a plain/DDP model)."""
-    model_sd, optim_sd = get_state_dict(module, optimizer)
+    (FSDP shards at any world size, or the full tensors of a plain/DDP model); with
+    `adapters_only`, the trainable parameters (the frozen base is loaded already)."""
+    options = StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     _load(state, directory, "model/optimizer")
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
 
 
-def load_full_model_state(directory: str | os.PathLike, model: nn.Module) -> dict[str, torch.Tensor]:
+def load_full_model_state(directory: str | os.PathLike, model: nn.Module,
+                          keys: "set[str] | None" = None) -> dict[str, torch.Tensor]:
     """Consolidate the model weights of a sharded checkpoint into `model`'s full (plain,
-    CPU) state dict, in this one process, without a process group."""
-    state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    CPU) state dict, in this one process, without a process group; only `keys` (a LoRA
+    checkpoint's adapters) when given."""
+    state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()
+                       if keys is None or k in keys}}
     with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         _load(state, directory, "model", no_dist=not dist.is_initialized())
     wrong = sorted(k for k, v in state["model"].items() if not isinstance(v, torch.Tensor))
     if wrong:  # an index may call a weight "bytes": plain data then, but still not a tensor
         raise CheckpointError(f"{directory}: entries {wrong[:3]} are not tensors")
+    return state["model"]
+
+
+def load_saved_tensors(directory: str | os.PathLike, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Every tensor a sharded checkpoint saved under `prefix` (a LoRA checkpoint's
+    adapters), full and on the CPU, shaped as its index says: no model needed."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = _reader(directory).read_metadata()
+    state = {"model": {key[len(prefix):]: torch.empty(info.size, dtype=info.properties.dtype)
+                       for key, info in meta.state_dict_metadata.items()
+                       if key.startswith(prefix) and isinstance(info, TensorStorageMetadata)}}
+    with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _load(state, directory, "set of tensors", no_dist=not dist.is_initialized())
     return state["model"]
 
 

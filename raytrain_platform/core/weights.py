@@ -13,6 +13,7 @@ weight (an LM head that is the embedding) is found under any of its names.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 
 from raytrain_platform.errors import CheckpointError
 
-__all__ = ["load_safetensors", "materialize"]
+__all__ = ["load_safetensors", "local_slice", "materialize"]
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -28,7 +29,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     model.to_empty(device=device)
 
 
-def _local_slice(target: torch.Tensor) -> tuple[slice, ...] | None:
+def local_slice(target: torch.Tensor) -> tuple[slice, ...] | None:
     """The part of the full tensor this rank holds (None: all of it)."""
     from torch.distributed.tensor import DTensor
 
@@ -55,16 +56,21 @@ def _index(files: list[str]) -> dict[str, str]:
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, files: list[str]) -> int:
+def load_safetensors(model: nn.Module, files: list[str],
+                     source_name: Callable[[str], str | None] | None = None) -> int:
     """Copy every parameter and persistent buffer of `model` from `files`, this rank's
     slices only; returns the bytes read. Missing or mis-shaped tensors are one
-    `CheckpointError` naming them."""
+    `CheckpointError` naming them. `source_name` maps a model name to its name in the
+    files, None for a tensor the files do not hold (a LoRA model's adapters)."""
     from safetensors import safe_open
 
     where = _index(files)
     names_of: dict[int, list[str]] = defaultdict(list)  # tied weights: one tensor, several names
     tensors: dict[int, torch.Tensor] = {}
     for name, t in model.state_dict(keep_vars=True).items():
+        name = source_name(name) if source_name is not None else name
+        if name is None:
+            continue
         names_of[id(t)].append(name)
         tensors[id(t)] = t
     missing = [names[0] for names in names_of.values() if not any(n in where for n in names)]
@@ -82,7 +88,7 @@ def load_safetensors(model: nn.Module, files: list[str]) -> int:
             if list(source.get_shape()) != list(target.shape):
                 raise CheckpointError(f"{where[name]}: {name} has shape {source.get_shape()}, the model "
                                       f"expects {list(target.shape)}")
-            part = _local_slice(target)
+            part = local_slice(target)
             data = source[part] if part is not None else source[:]
         local = target.to_local() if hasattr(target, "to_local") else target
         local.copy_(data.to(local.dtype))

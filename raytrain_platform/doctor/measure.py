@@ -72,7 +72,9 @@ def run_config(cfg: JobConfig, *, workers: int, total_steps: int, out_dir: Path)
         "train.max_steps": total_steps, "train.epochs": None,
         "run.name": f"w{workers}", "run.storage_path": str(out_dir),
         "run.checkpoint_every": 0, "run.eval_every": 0, "run.log_every": total_steps,
-        "run.keep_checkpoints": 1, "run.max_failures": 0})
+        "run.keep_checkpoints": 1, "run.max_failures": 0,
+        # Measurements, not experiments: no tracker's run, and no tracker's work in the steps.
+        "run.tracking": [], "run.log_checkpoints": False})
 
 
 def _median(rows: list[dict], key: str) -> float:

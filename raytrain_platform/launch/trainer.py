@@ -18,8 +18,11 @@ from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.plan.auto import Hardware, cpu_hardware, has_auto
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.resolve import ResolvedJob, resolve_job
-from raytrain_platform.core.rundir import (CONFIG_FILE, SUMMARY_FILE, best_checkpoint, latest_checkpoint,
-                                      plot_run, prune_checkpoints, read_metrics, write_json)
+from raytrain_platform.core.rundir import (CONFIG_FILE, SUMMARY_FILE, best_checkpoint, check_storage,
+                                      latest_checkpoint, plot_run, prune_checkpoints, read_metrics,
+                                      write_json)
+from raytrain_platform.core.rundir import PLOT_FILE, TRACKING_FILE
+from raytrain_platform.tracking.runs import open_training_run
 
 __all__ = ["TrainResult", "train", "run_job", "prepare", "init_ray", "cluster_hardware", "format_progress"]
 
@@ -57,6 +60,7 @@ def prepare(config: Any, overrides: list[str] | None = None,
                    "data.val_path": cfg.data.val_path}
     cfg = cfg.replace({key: os.path.abspath(os.path.expanduser(value))
                        for key, value in local_paths.items() if value and "://" not in value})
+    check_storage(cfg.run.storage_path)
     return resolve_job(cfg, hardware)
 
 
@@ -99,9 +103,46 @@ def init_ray(address: str | None, verbose: bool, *, env_vars: dict[str, str] | N
     if address:
         ray.init(address=address, **kwargs)
     else:
-        # "local": always a fresh embedded Ray, never a cluster left behind by `ray start`
-        # (Ray's own default would attach to the last one started on this machine).
-        ray.init(address="local", include_dashboard=False, **kwargs)
+        _start_embedded_ray(kwargs)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_embedded_ray(kwargs: dict) -> None:
+    """A fresh embedded Ray ("local"), never a cluster left behind by `ray start` (Ray's
+    own default would attach to the last one started on this machine), whose processes
+    know its address. Ray Train's PlacementGroupCleaner actor asks the State API with no
+    address: it guesses from the GCS processes running on the machine, and with another
+    Ray instance beside this one (a test's, another user's) it fails with "Found multiple
+    active Ray instances", its monitor thread dies, and the actor then neither cleans up a
+    killed run's placement group nor exits (one idle worker process per run, until Ray
+    stops). Choosing the GCS port up front lets every process of the job get
+    ``RAY_ADDRESS`` for this instance; the driver's own environment is left as it was."""
+    import ray
+
+    for attempt in range(2):  # the port is free when chosen; another process may take it first
+        port = _free_port()
+        env_vars = {**kwargs["runtime_env"]["env_vars"], "RAY_ADDRESS": f"127.0.0.1:{port}"}
+        saved = os.environ.get("RAY_GCS_SERVER_PORT")
+        os.environ["RAY_GCS_SERVER_PORT"] = str(port)  # read by Ray when it starts the GCS
+        try:
+            ray.init(address="local", include_dashboard=False,
+                     **{**kwargs, "runtime_env": {**kwargs["runtime_env"], "env_vars": env_vars}})
+            return
+        except Exception:
+            if attempt or ray.is_initialized():
+                raise
+        finally:
+            if saved is None:
+                os.environ.pop("RAY_GCS_SERVER_PORT", None)
+            else:
+                os.environ["RAY_GCS_SERVER_PORT"] = saved
 
 
 def _check_cpu_headroom(cfg: JobConfig) -> None:
@@ -212,6 +253,7 @@ def train(config: Any, overrides: list[str] | None = None, *, address: str | Non
     same storage resumes from its latest checkpoint."""
     emit = (lambda line: print(line, flush=True)) if progress else (lambda line: None)
     cfg = load_config(config, overrides)
+    check_storage(os.path.expanduser(cfg.run.storage_path))  # before Ray starts, `auto` or not
     if has_auto(cfg):  # decided against the cluster it will run on
         init_ray(address, verbose)
         job = prepare(cfg, hardware=cluster_hardware(cfg))
@@ -252,34 +294,49 @@ def cluster_hardware(cfg: JobConfig) -> Hardware:
 
 
 def run_job(job: ResolvedJob, *, emit: Callable[[str], None], callbacks: Sequence[Any] = (),
-            tail: bool = True, profile: dict | None = None) -> TrainResult:
+            tail: bool = True, profile: dict | None = None,
+            sweep_trial: dict[str, Any] | None = None) -> TrainResult:
     """Run one prepared job on the Ray this process is connected to, resuming from its
     run directory's latest checkpoint; `train`, each sweep trial and `rtp doctor` call it.
     `tail`: echo metrics.jsonl through `emit` while it trains. `profile`
     (``{"measure_from": step, "breakdown_from": step}``, from the doctor) records per-step
-    timings and sample ids into the run directory's ``profile.json`` (core/profile.py)."""
+    timings and sample ids into the run directory's ``profile.json`` (core/profile.py).
+    `sweep_trial`: a sweep trial's MLflow parent run and swept values (tracking/runs.py)."""
     cfg = job.config
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
     resumed = latest_checkpoint(run_dir)
     if resumed:
+        # A LoRA checkpoint over another base (or LoRA on/off) is one line before any worker starts.
+        from raytrain_platform.core.adapters import check_base, run_base
+        from raytrain_platform.core.checkpoint import read_state
+
+        check_base(str(resumed), read_state(resumed).get("base"), run_base(cfg))
         emit(f"resuming from {resumed}")
-    t0 = time.time()
-    trainer = _build_trainer(job, resumed, callbacks, profile, emit=emit)
-    stop = threading.Event()
-    tailer = threading.Thread(target=_tail_progress, args=(run_dir, job.total_steps, stop, emit),
-                              daemon=True)
-    if tail:
-        tailer.start()
-    try:
-        trainer.fit()
-    finally:
-        stop.set()
+    tracked = open_training_run(cfg, state_file=run_dir / TRACKING_FILE, sweep_trial=sweep_trial)
+    if tracked.active:
+        emit(f"mlflow: run {tracked.run_id} in {tracked.uri}")
+    with tracked.ending():  # the MLflow run ends FINISHED, or FAILED if this raises
+        t0 = time.time()
+        trainer = _build_trainer(job, resumed, callbacks, profile, emit=emit)
+        stop = threading.Event()
+        tailer = threading.Thread(target=_tail_progress, args=(run_dir, job.total_steps, stop, emit),
+                                  daemon=True)
         if tail:
-            tailer.join()
-    return finish_run(run_dir, wall_time_s=time.time() - t0, emit=emit,
-                      keep=cfg.run.keep_checkpoints)
+            tailer.start()
+        try:
+            trainer.fit()
+        finally:
+            stop.set()
+            if tail:
+                tailer.join()
+        result = finish_run(run_dir, wall_time_s=time.time() - t0, emit=emit,
+                            keep=cfg.run.keep_checkpoints)
+        tracked.log_artifacts([run_dir / CONFIG_FILE, run_dir / PLOT_FILE, run_dir / SUMMARY_FILE])
+        if cfg.run.log_checkpoints:
+            tracked.log_artifacts([result.best_checkpoint or result.checkpoint], "checkpoints")
+    return result
 
 
 def finish_run(run_dir: Path, *, wall_time_s: float, emit: Callable[[str], None],
@@ -293,7 +350,8 @@ def finish_run(run_dir: Path, *, wall_time_s: float, emit: Callable[[str], None]
     final = metrics[-1] if metrics else {}
     summary = {"run_dir": str(run_dir), "steps": final.get("step", 0), "final": final,
                "wall_time_s": round(wall_time_s, 3), "latest_checkpoint": str(latest) if latest else None,
-               "best_checkpoint": str(best) if best else None}
+               "best_checkpoint": str(best) if best else None,
+               **{k: final[k] for k in ("num_params", "trainable_params") if k in final}}
     write_json(run_dir / SUMMARY_FILE, summary)
     plot = plot_run(run_dir, metrics)
     emit(f"done: {final.get('step', 0)} steps in {wall_time_s:.1f}s; run dir {run_dir}"

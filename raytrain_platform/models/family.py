@@ -63,11 +63,21 @@ class PipelineLayout:
 @dataclass(frozen=True)
 class ServingSpec:
     """How a model is served: the endpoint (``predict`` for tabular rows, ``generate``
-    for text), what a request's input must look like, and (generate) the context."""
+    for text), what a request's input must look like, and (generate) the context, the
+    tokenizer, the end-of-sequence tokens and whether its forward keeps a KV cache."""
 
     endpoint: str  # "predict" | "generate"
     inputs: dict = field(default_factory=dict)  # shown in GET /v1/models; checked per request
-    context_len: int = 0  # generate: tokens of context the model sees
+    # generate: tokens of context the model sees (0: as many as the serving config says:
+    # data.seq_len). With kv_cache, prompt + generated tokens must fit in it; without,
+    # the last context_len tokens are the context (a window that slides).
+    context_len: int = 0
+    tokenizer: str | None = None  # a local Hugging Face tokenizer folder; None: UTF-8 bytes
+    # The forward takes Hugging Face's cache arguments (input_ids, attention_mask,
+    # position_ids, a DynamicCache, use_cache) and returns an output with .logits; else it
+    # is called as model(ids) and re-run over the context for every token.
+    kv_cache: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # generation ends at any of these (end of sequence)
 
 
 class ModelFamily:

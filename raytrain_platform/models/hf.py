@@ -269,5 +269,24 @@ class HFFamily(ModelFamily):
         tok.save_pretrained(out)
 
     def serving(self, kwargs: dict, task: str) -> ServingSpec:
-        raise ConfigError("model.name", self.name, "a model the byte-level endpoints can serve (serving "
-                          "Hugging Face models comes with the OpenAI-compatible API)")
+        """Text generation with a KV cache, the directory's tokenizer (and chat template),
+        stopping at the end-of-sequence tokens of ``generation_config.json`` (else
+        ``config.json``); the context is ``max_position_embeddings``."""
+        config = self._config(kwargs)
+        return ServingSpec("generate", {"vocab_size": config.get("vocab_size"),
+                                        "max_position_embeddings": config.get("max_position_embeddings")},
+                           context_len=int(config.get("max_position_embeddings") or 0),
+                           tokenizer=kwargs["path"], kv_cache=True, stop_token_ids=_eos_ids(kwargs["path"], config))
+
+
+def _eos_ids(path: str, config: dict) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json's, else config.json's (an int or a list)."""
+    eos = config.get("eos_token_id")
+    generation = Path(path) / "generation_config.json"
+    if generation.is_file():
+        try:
+            eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+        except (OSError, ValueError, AttributeError):
+            pass  # an unreadable generation config: config.json's ids
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool))

@@ -44,13 +44,25 @@ class Task:
 
     def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss over the micro-batch (over counted tokens for lm), in fp32."""
+        return self.loss_sum(outputs, targets) / max(self.num_targets(targets), 1)
+
+    def loss_sum(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """Summed loss over the micro-batch's counted targets, in fp32. The engine divides
+        it by the whole optimizer step's count, so masked tokens weigh the same in every
+        layout (a per-micro-batch mean would weigh a token by its micro-batch's count)."""
         outputs = self.logits(outputs).float()
         if self.name == "lm":
             return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1),
-                                   ignore_index=IGNORE_INDEX)
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
         if self.name == "classification":
-            return F.cross_entropy(outputs, targets)
-        return F.mse_loss(outputs, targets.float())
+            return F.cross_entropy(outputs, targets, reduction="sum")
+        return F.mse_loss(outputs, targets.float(), reduction="sum")
+
+    def num_targets(self, targets: torch.Tensor) -> int:
+        """How many targets the loss counts (lm: tokens not masked out)."""
+        if self.name == "lm":
+            return int((targets != IGNORE_INDEX).sum())
+        return targets.numel()
 
     def units_per_sample(self, batch: dict[str, torch.Tensor]) -> int:
         """Tokens per sample for lm (what tokens/s counts), 1 otherwise."""

@@ -24,7 +24,7 @@ import re
 from typing import TYPE_CHECKING, Any, Callable
 
 from raytrain_platform.errors import ConfigError
-from raytrain_platform.models.family import ModelFamily
+from raytrain_platform.models.family import ModelFamily, ServingSpec
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +59,20 @@ class UserFamily(ModelFamily):
 
     def resolve_task(self, kwargs: dict, requested: str | None) -> str:
         return super().resolve_task(kwargs, requested)
+
+    def serving(self, kwargs: dict, task: str) -> ServingSpec:
+        """Tabular tasks through ``predict``, the row width and output count read off the
+        module built on the meta device (its first and last ``nn.Linear``; None when it
+        has none: the request is then not checked); an LM through ``generate``, called as
+        ``model(ids)`` over the last ``data.seq_len`` tokens (its training context; the
+        serving catalog fills it in), reading the tokenizer it was trained with."""
+        if task == "lm":
+            return ServingSpec("generate", {}, context_len=0, kv_cache=False)
+        from torch import nn
+
+        linears = [m for m in self.build(kwargs, device="meta").modules() if isinstance(m, nn.Linear)]
+        return ServingSpec("predict", {"num_features": linears[0].in_features if linears else None,
+                                       "num_outputs": linears[-1].out_features if linears else None})
 
     def _checked(self, model: Any) -> "nn.Module":
         from torch import nn

@@ -87,8 +87,9 @@ class PipelineRunner:
         self.grad_sync: Callable[[], None] | None = None  # PP x DDP: all-reduce over dp
 
     def chunk_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # The engine's loss is a sum scaled by the whole step's target count, so chunks add up.
         assert self.loss_fn is not None
-        return self.loss_fn(output, target) / self.chunks
+        return self.loss_fn(output, target)
 
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, *,
               sync: bool = True) -> torch.Tensor:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from raytrain_platform.config import JobConfig
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Option, make_plan
+from raytrain_platform.plan.lora import lora_size
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.shapes import ModelShape
 from raytrain_platform.units import format_size
@@ -138,10 +139,13 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
     if cfg.parallel.strategy != "auto":  # only the batch is auto: plan for the given layout
         pins = {"tp": cfg.parallel.tp_size if cfg.parallel.tp_size > 1 else None,
                 "pp": cfg.parallel.pp_size if cfg.parallel.pp_size > 1 else None}
-    plan = make_plan(model=_shape(cfg), device_memory=hw.device_memory,
+    shape, lora = _shape(cfg), cfg.model.lora
+    plan = make_plan(model=shape, device_memory=hw.device_memory,
                      devices_per_node=hw.devices_per_node, nodes=hw.nodes, global_batch=global_batch,
                      precision=t.precision, optimizer=t.optimizer, headroom=hw.headroom,
-                     activation_checkpointing=cfg.parallel.activation_checkpointing, **pins)
+                     activation_checkpointing=cfg.parallel.activation_checkpointing, **pins,
+                     # LoRA: the frozen base, and DDP or FSDP only (plan/lora.py)
+                     lora=None if lora is None else lora_size(shape, r=lora["r"], targets=lora["target_modules"]))
     budget = f"{format_size(plan.request.budget)} per worker ({hw.source})"
     why, changes = [], {}
     if cfg.parallel.strategy == "auto":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 import re
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
+from raytrain_platform.plan.lora import DEFAULT_TARGETS, LoraSize, lora_size
 from raytrain_platform.models.hf_shapes import hf_config_shape
 from raytrain_platform.models.registry import FAMILIES, family_names, get_family
 from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, preset_shape
@@ -62,6 +64,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--headroom", default="0.1", help="fraction of device memory kept free")
     p.add_argument("--tp", help="pin the tensor-parallel degree (within a node)")
     p.add_argument("--pp", help="pin the pipeline-parallel degree")
+    p.add_argument("--lora-r", help="plan a LoRA run: adapters of this rank, the base frozen (a config's "
+                   "model.lora is read without it)")
+    p.add_argument("--lora-targets", help="with --lora-r: Linear modules to adapt, comma-separated "
+                   f"(default {','.join(DEFAULT_TARGETS)})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -163,6 +169,8 @@ def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
                 else cfg.data.batch_size * t.grad_accum_steps * s.num_workers,
                 "precision": t.precision, "optimizer": t.optimizer, "devices_per_node": s.num_workers,
                 "activation_checkpointing": cfg.parallel.activation_checkpointing}
+    if cfg.model.lora is not None:
+        defaults["lora"] = lora_size(shape, r=cfg.model.lora["r"], targets=cfg.model.lora["target_modules"])
     return shape, defaults
 
 
@@ -194,7 +202,25 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
                 precision=args.precision or defaults.get("precision", "fp32"),
                 optimizer=args.optimizer or defaults.get("optimizer", "adamw"),
                 activation_checkpointing=ckpt, headroom=headroom,
-                tp=_int("--tp", args.tp), pp=_int("--pp", args.pp))
+                tp=_int("--tp", args.tp), pp=_int("--pp", args.pp), lora=_lora(args, shape, defaults))
+
+
+def _lora(args: argparse.Namespace, shape: ModelShape, defaults: dict) -> LoraSize | None:
+    """The adapters to plan: ``--lora-r`` (and ``--lora-targets``), or the config's model.lora."""
+    if args.lora_r is None:
+        if args.lora_targets is not None:
+            raise ConfigError("--lora-targets", args.lora_targets, "set together with --lora-r")
+        return defaults.get("lora")
+    targets = DEFAULT_TARGETS if args.lora_targets is None else tuple(
+        t.strip() for t in args.lora_targets.split(",") if t.strip())
+    if not targets:
+        raise ConfigError("--lora-targets", args.lora_targets, "comma-separated module names, like q_proj,v_proj")
+    try:
+        return lora_size(shape, r=_int("--lora-r", args.lora_r), targets=targets)
+    except ConfigError as exc:
+        if exc.field != "model.lora.target_modules":
+            raise
+        raise ConfigError("--lora-targets", exc.value, exc.allowed) from None
 
 
 def _fmt(n: int) -> str:
@@ -210,10 +236,14 @@ def plan_to_dict(plan: Plan) -> dict:
             "request": {k: getattr(req, k) for k in ("device_memory", "devices_per_node", "nodes",
                                                      "global_batch", "precision", "optimizer",
                                                      "activation_checkpointing", "headroom", "tp", "pp")}
-            | {"devices": req.devices, "budget": req.budget},
+            | {"devices": req.devices, "budget": req.budget,
+               "lora": None if req.lora is None else asdict(req.lora)},
             "options": [o.to_dict() for o in plan.options],
             "recommended": plan.recommended.strategy if plan.recommended else None,
-            "reasons": list(plan.reasons), "warnings": list(plan.warnings)}
+            "reasons": list(plan.reasons), "warnings": list(plan.warnings),
+            # Full fine-tuning fits nowhere, LoRA does: its strategy and adapters.
+            "lora_recommended": None if plan.lora_option is None else {
+                **asdict(plan.lora_size), "option": plan.lora_option.to_dict()}}
 
 
 def _kv_heads(m: ModelShape) -> str:
@@ -229,6 +259,9 @@ def format_plan(plan: Plan) -> str:
              f"(usable {_fmt(req.budget)}); global batch {req.global_batch}; {req.precision}, "
              f"{req.optimizer}, activation checkpointing {'on' if req.activation_checkpointing else 'off'}",
              "memory per device (K/M/G/T = KiB/MiB/GiB/TiB):", ""]
+    if req.lora is not None:
+        lines.insert(2, f"LoRA: rank {req.lora.r} on {', '.join(req.lora.targets)}, {req.lora.params:,} trainable "
+                        "parameters; the base is frozen (no gradients or optimizer state for it)")
     head = ("strategy", "dev", "dp", "tp", "pp", "shard", "micro x n", "params", "grads", "optim",
             "activ", "other", "total", "fits")
     rows = [head]
@@ -246,7 +279,10 @@ def format_plan(plan: Plan) -> str:
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:-1], widths[1:-1])] + [r[-1]]
         lines.append("  ".join(cells).rstrip() if r[1] != "-" else f"{r[0].ljust(widths[0])}  {r[-1]}")
     rec = plan.recommended
-    lines += ["", f"recommended: {LABELS[rec.strategy] if rec else 'nothing fits'}"]
+    if rec is None and plan.lora_option is not None:
+        lines += ["", f"recommended: LoRA with {LABELS[plan.lora_option.strategy]} (full fine-tuning fits nowhere)"]
+    else:
+        lines += ["", f"recommended: {LABELS[rec.strategy] if rec else 'nothing fits'}"]
     lines += [f"  - {reason}" for reason in plan.reasons]
     lines += ([""] + ["warnings:"] + [f"  - {w}" for w in plan.warnings] if plan.warnings else [])
     return "\n".join(lines)

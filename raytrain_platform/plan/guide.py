@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from raytrain_platform.errors import ConfigError
+from raytrain_platform.plan.lora import DEFAULT_R, DEFAULT_TARGETS, LoraSize, lora_size
 from raytrain_platform.plan.memory import Layout, MemoryEstimate, estimate_memory
 from raytrain_platform.plan.shapes import ModelShape
 from raytrain_platform.units import format_size
@@ -56,6 +57,7 @@ class PlanRequest:
     headroom: float = 0.1  # fraction of device memory kept free (CUDA context, fragmentation)
     tp: int | None = None  # pin the TP degree
     pp: int | None = None  # pin the PP degree
+    lora: LoraSize | None = None  # LoRA adapters: the base is frozen (plan/lora.py)
 
     @property
     def devices(self) -> int:
@@ -100,6 +102,9 @@ class Plan:
     recommended: Option | None
     reasons: tuple[str, ...]
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    # When full fine-tuning fits nowhere: the strategy a LoRA run would use, and its adapters.
+    lora_option: Option | None = None
+    lora_size: LoraSize | None = None
 
     def option(self, strategy: str) -> Option:
         return next(o for o in self.options if o.strategy == strategy)
@@ -122,7 +127,7 @@ def _fit(req: PlanRequest, *, dp: int, tp: int = 1, pp: int = 1, shard: int = 1,
                         micro_batches=per_replica // micro)
         est = estimate_memory(model=req.model, layout=layout, precision=req.precision,
                               optimizer=req.optimizer,
-                              activation_checkpointing=req.activation_checkpointing)
+                              activation_checkpointing=req.activation_checkpointing, lora=req.lora)
         if est.total <= req.budget:
             return layout, est, True
         result = (layout, est, False)
@@ -170,9 +175,9 @@ def _options(req: PlanRequest) -> list[Option]:
     shard = n if nodes == 1 else per_node
     out.append(Option("fsdp", True, *_swap(_fit(req, dp=n, shard=shard))) if shard > 1 else
                Option("fsdp", False, note="needs 2 or more devices per node"))
-    if req.model.kind != "transformer":
-        return out + [Option(s, False, note="TP and PP split transformer blocks")
-                      for s in ("tp", "pp", "tp_fsdp", "pp_dp")]
+    if req.model.kind != "transformer" or req.lora is not None:
+        note = "LoRA runs on DDP or FSDP" if req.lora is not None else "TP and PP split transformer blocks"
+        return out + [Option(s, False, note=note) for s in ("tp", "pp", "tp_fsdp", "pp_dp")]
     tps = _tp_degrees(req)
     out.append(_search(req, "tp", tps, lambda t: {"dp": 1, "tp": t}))
     out.append(_search(req, "pp", _pp_degrees(req, need_dp=False), lambda p: {"dp": 1, "pp": p}))
@@ -314,7 +319,7 @@ def _validate(req: PlanRequest) -> None:
 def make_plan(*, model: ModelShape, device_memory: int, devices_per_node: int = 1, nodes: int = 1,
               global_batch: int = 1, precision: str = "fp32", optimizer: str = "adamw",
               activation_checkpointing: bool = False, headroom: float = 0.1,
-              tp: int | None = None, pp: int | None = None) -> Plan:
+              tp: int | None = None, pp: int | None = None, lora: LoraSize | None = None) -> Plan:
     """Estimate every strategy, mark which fit in ``device_memory * (1 - headroom)``, and
     recommend one with its reasons (see the module docstring for the rules).
 
@@ -327,7 +332,7 @@ def make_plan(*, model: ModelShape, device_memory: int, devices_per_node: int = 
     req = PlanRequest(model=model, device_memory=device_memory, devices_per_node=devices_per_node,
                       nodes=nodes, global_batch=global_batch, precision=precision,
                       optimizer=optimizer, activation_checkpointing=activation_checkpointing,
-                      headroom=headroom, tp=tp, pp=pp)
+                      headroom=headroom, tp=tp, pp=pp, lora=lora)
     _validate(req)
     options = _options(req)
     by_name = {o.strategy: o for o in options}
@@ -335,5 +340,24 @@ def make_plan(*, model: ModelShape, device_memory: int, devices_per_node: int = 
         rec, reasons = _fits_one_device(req, by_name)
     else:
         rec, reasons = _too_big(req, by_name)
+    lora_option, size = (None, None) if rec is not None else _lora_instead(req, reasons)
     return Plan(request=req, options=tuple(options), recommended=rec, reasons=tuple(reasons),
-                warnings=tuple(_warnings(req, rec)))
+                warnings=tuple(_warnings(req, rec)), lora_option=lora_option, lora_size=size)
+
+
+def _lora_instead(req: PlanRequest, reasons: list[str]) -> tuple[Option | None, LoraSize | None]:
+    """Full fine-tuning fits nowhere: would LoRA (the base frozen: no gradients or
+    optimizer state for it) fit? If so, say how, as one more reason."""
+    if req.lora is not None or req.model.kind != "transformer" or req.tp or req.pp:
+        return None, None
+    size = lora_size(req.model, r=DEFAULT_R, targets=DEFAULT_TARGETS)
+    alt = make_plan(**{**req.__dict__, "lora": size})
+    if alt.recommended is None:
+        return None, None
+    opt = alt.recommended
+    reasons.append(f"LoRA fits: rank {size.r} adapters on {', '.join(size.targets)} ({size.params:,} trainable "
+                   f"parameters; the frozen base has no gradients or optimizer state): {LABELS[opt.strategy]}"
+                   f"{f' over {opt.layout.shard} devices' if opt.layout and opt.layout.shard > 1 else ''}, "
+                   f"{_batch_words(opt)}, {_need(opt)}. Set model.lora: {{r: {size.r}, target_modules: "
+                   f"[{', '.join(size.targets)}]}} (rtp plan --lora-r to plan it)")
+    return opt, size

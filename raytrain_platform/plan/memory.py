@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass, field
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.parallel.dims import stage_blocks
+from raytrain_platform.plan.lora import LoraSize
 from raytrain_platform.plan.shapes import ModelShape
 
 __all__ = ["Layout", "MemoryEstimate", "RankPart", "estimate_memory", "rank_params", "rank_part"]
@@ -198,14 +199,17 @@ def rank_params(model: ModelShape, layout: Layout, pp_rank: int = 0) -> tuple[in
 
 
 def _state_bytes(model: ModelShape, layout: Layout, pp_rank: int, optimizer: str,
-                 momentum: float) -> tuple[int, int, int, int]:
+                 momentum: float, lora: LoraSize | None = None) -> tuple[int, int, int, int]:
     params, tensors = rank_params(model, layout, pp_rank)
+    if lora is not None:  # the base and the adapters held; only the adapters train (plan/lora.py)
+        params, tensors = params + lora.params, lora.tensors
     local = math.ceil(params / layout.shard)
+    trained = local if lora is None else math.ceil(lora.params / layout.shard)
     if optimizer == "adamw":
-        opt = 8 * local + 4 * tensors  # exp_avg + exp_avg_sq in fp32, one fp32 step per tensor
+        opt = 8 * trained + 4 * tensors  # exp_avg + exp_avg_sq in fp32, one fp32 step per tensor
     else:
-        opt = 4 * local if momentum > 0 else 0  # momentum_buffer
-    return 4 * local, 4 * local, opt, local
+        opt = 4 * trained if momentum > 0 else 0  # momentum_buffer
+    return 4 * local, 4 * trained, opt, local
 
 
 def _block_activations(model: ModelShape, b: int, tp: int, e: int, r: int) -> int:
@@ -254,15 +258,16 @@ def _activations(model: ModelShape, layout: Layout, pp_rank: int, e: int, r: int
 
 
 def _overhead(model: ModelShape, layout: Layout, pp_rank: int, precision: str,
-              local_params: int) -> list[tuple[str, int]]:
+              local_params: int, lora: LoraSize | None = None) -> list[tuple[str, int]]:
     parts: list[tuple[str, int]] = []
+    grad = 4 if lora is None else 0  # LoRA: a frozen unit has no gradients (its adapters' are tiny)
     if layout.shard > 1:
         # FSDP gathers one block (and prefetches the next) and keeps the root unit
         # (embeddings, head) gathered; a unit's full gradients exist until reduce-scatter.
         gather = 2 if precision == "bf16" else 4
         if model.kind == "transformer":
             ends, _ = _ends(model, rank_part(model, layout, pp_rank), layout.tp)
-            fsdp = _tp_block_params(model, layout.tp) * (2 * gather + 4) + ends * gather
+            fsdp = _tp_block_params(model, layout.tp) * (2 * gather + grad) + ends * gather
         else:  # no blocks: the whole model is the one (root) unit
             fsdp = model.num_params * (gather + 4)
         parts.append(("fsdp_gathered_units", fsdp))
@@ -270,7 +275,7 @@ def _overhead(model: ModelShape, layout: Layout, pp_rank: int, precision: str,
         # DDP's flat gradient buckets (gradient_as_bucket_view=False, parallel/ddp.py); a
         # pipeline's replicas all-reduce one flat copy of the gradients (parallel/pp.py).
         name = "ddp_gradient_buckets" if layout.pp == 1 else "flat_gradient_allreduce"
-        parts.append((name, 4 * local_params))
+        parts.append((name, 4 * (local_params if lora is None else lora.params)))
     if precision == "bf16" and layout.shard == 1:
         # Autocast's bf16 copies of matmul weights, saved for backward.
         parts.append(("bf16_weight_copies", 2 * _local_matmul_params(model, layout, pp_rank)))
@@ -286,12 +291,13 @@ def _local_matmul_params(model: ModelShape, layout: Layout, pp_rank: int) -> int
 
 
 def _estimate_rank(model: ModelShape, layout: Layout, pp_rank: int, precision: str, optimizer: str,
-                   momentum: float, activation_checkpointing: bool) -> MemoryEstimate:
-    params, grads, opt, local = _state_bytes(model, layout, pp_rank, optimizer, momentum)
+                   momentum: float, activation_checkpointing: bool,
+                   lora: LoraSize | None = None) -> MemoryEstimate:
+    params, grads, opt, local = _state_bytes(model, layout, pp_rank, optimizer, momentum, lora)
     e = 2 if precision == "bf16" else 4
     r = 4  # the residual stream stays fp32 under autocast
     acts = _activations(model, layout, pp_rank, e, r, activation_checkpointing)
-    parts = _overhead(model, layout, pp_rank, precision, local)
+    parts = _overhead(model, layout, pp_rank, precision, local, lora)
     return MemoryEstimate(params=params, grads=grads, optimizer=opt, activations=acts,
                           overhead=sum(b for _, b in parts), local_params=local,
                           overhead_parts=tuple(parts), pp_rank=pp_rank)
@@ -299,9 +305,11 @@ def _estimate_rank(model: ModelShape, layout: Layout, pp_rank: int, precision: s
 
 def estimate_memory(*, model: ModelShape, layout: Layout, precision: str = "fp32",
                     optimizer: str = "adamw", momentum: float = 0.9,
-                    activation_checkpointing: bool = False, pp_rank: int | None = None) -> MemoryEstimate:
+                    activation_checkpointing: bool = False, pp_rank: int | None = None,
+                    lora: LoraSize | None = None) -> MemoryEstimate:
     """Bytes on one device for training `model` with `layout` (see the module docstring):
-    on pipeline rank `pp_rank`, or (None) on the rank that needs the most.
+    on pipeline rank `pp_rank`, or (None) on the rank that needs the most. With `lora`,
+    the base is frozen: gradients and optimizer state for the adapters only (DDP/FSDP).
 
     >>> from raytrain_platform.plan.shapes import preset_shape
     >>> m = preset_shape("llama2-7b")
@@ -320,6 +328,8 @@ def estimate_memory(*, model: ModelShape, layout: Layout, precision: str = "fp32
         raise ConfigError("--optimizer", optimizer, f"one of {list(OPTIMIZERS)}")
     if activation_checkpointing and model.kind != "transformer":
         raise ConfigError("--activation-checkpointing", True, "off for an mlp (it checkpoints transformer blocks)")
+    if lora is not None and layout.tp * layout.pp > 1:
+        raise ConfigError("layout", f"tp={layout.tp}, pp={layout.pp}", "tp=1 and pp=1 with LoRA (DDP or FSDP)")
     ranks = range(layout.pp) if pp_rank is None else [pp_rank]
-    return max((_estimate_rank(model, layout, rank, precision, optimizer, momentum, activation_checkpointing)
+    return max((_estimate_rank(model, layout, rank, precision, optimizer, momentum, activation_checkpointing, lora)
                 for rank in ranks), key=lambda est: est.total)

@@ -2,9 +2,11 @@
 batching (``serve.batch``) and model multiplexing (``serve.multiplexed``, LRU-bounded
 per replica).
 
+    POST /v1/completions        LMs, OpenAI's completions (stream: true = server-sent events)
+    POST /v1/chat/completions   LMs with a chat template, OpenAI's chat completions
     POST /v1/predict    tabular models: feature rows -> predictions (+ class probabilities)
     POST /v1/generate   byte-level LMs: prompt -> generated text (same seed, same text)
-    GET  /v1/models     each model's config, checkpoint step and training metrics
+    GET  /v1/models     OpenAI's model list, plus each model's config, step and training metrics
     GET  /healthz       liveness
     GET  /docs          OpenAPI
 
@@ -12,7 +14,9 @@ A request names its model with the ``model`` field or the ``serve_multiplexed_mo
 header (which Serve also routes by: to a replica that has the model loaded); without
 one, the only model served at that endpoint answers (each model's family says which). Models load on a replica when first
 asked for; compute runs on one thread per replica, off the event loop, so the loop keeps
-accepting (and batching) requests meanwhile.
+accepting (and batching) requests meanwhile. The OpenAI endpoints generate through one
+`GenerationEngine` per loaded LM (continuous batching, a KV cache where the family's
+forward keeps one); errors have OpenAI's shape.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' body types from
@@ -27,20 +31,28 @@ from typing import Any, Callable, Optional
 import torch
 from ray import serve
 
+from fastapi.responses import StreamingResponse
+
 from raytrain_platform._version import __version__
+from raytrain_platform.models.registry import get_family
+from raytrain_platform.serve import openai_api
+from raytrain_platform.serve.adapters import SharedBases
 from raytrain_platform.serve.catalog import load_served_model
 from raytrain_platform.serve.coalesce import Coalescer
 from raytrain_platform.serve.http import ERROR_RESPONSES, error, make_api
 from raytrain_platform.serve import inference
+from raytrain_platform.serve.engine import GenerationEngine
 from raytrain_platform.serve.inference import GenerationJob, Prediction
+from raytrain_platform.serve.openai_schemas import ChatRequest, CompletionRequest
 from raytrain_platform.serve.options import ServeOptions
+from raytrain_platform.serve.text import Tokenizer, load_tokenizer
 from raytrain_platform.serve.schemas import (BatchStats, GenerateRequest, GenerateResponse, HealthResponse, ModelInfo,
                                              ModelsResponse, PredictRequest, PredictResponse)
 
 __all__ = ["ModelServer", "api"]
 
 api = make_api("raytrain_platform models", __version__)
-_ROUTE = {"predict": "POST /v1/predict", "generate": "POST /v1/generate"}
+_ROUTE = {"predict": "POST /v1/predict", "generate": "POST /v1/completions, /v1/chat/completions or /v1/generate"}
 
 
 class _ConcurrentBatchesWarning(logging.Filter):
@@ -62,8 +74,10 @@ class _Loaded:
     """A model in a replica's multiplexing cache. Serve calls ``__del__`` when its LRU
     policy unloads it, which keeps `loaded` (what /healthz reports) exact."""
 
-    def __init__(self, model_id: str, module: torch.nn.Module, loaded: set[str]):
+    def __init__(self, model_id: str, module: torch.nn.Module, loaded: set[str],
+                 tokenizer: Optional[Tokenizer] = None, engine: Optional[GenerationEngine] = None):
         self.model_id, self.module, self._loaded, self._unloaded = model_id, module, loaded, False
+        self.tokenizer, self.engine = tokenizer, engine  # LMs: the OpenAI endpoints' generation
         loaded.add(model_id)
 
     def __del__(self) -> None:
@@ -89,9 +103,22 @@ class ModelServer:
                                            initializer=torch.set_num_threads, initargs=(threads,))
         self.loaded: set[str] = set()
         self.batches: dict[str, BatchStats] = defaultdict(BatchStats)  # per kind, /healthz shows them
+        # LoRA runs: one base per replica, each run's adapters on it. A run's adapters are
+        # dropped once nothing holds its module, on the compute thread (the only one that
+        # runs the shared modules).
+        self.bases = SharedBases(self.device, defer=lambda fn, *args: self._compute.submit(fn, *args))
 
         async def load_model(model_id: str) -> _Loaded:
-            return _Loaded(model_id, await self._run(self._load, model_id), self.loaded)
+            module = await self._run(self._load, model_id)
+            entry = self.catalog[model_id]
+            if entry["endpoint"] != "generate":
+                return _Loaded(model_id, module, self.loaded)
+            tokenizer = await self._run(load_tokenizer, entry["tokenizer"])
+            engine = GenerationEngine(module, tokenizer, kv_cache=entry["kv_cache"],
+                                      logits_of=get_family(entry["model"]["name"]).logits,
+                                      context_len=entry["context_len"], max_batch=options.max_batch_size,
+                                      run=self._run, on_step=self.batches["decode"].record)
+            return _Loaded(model_id, module, self.loaded, tokenizer, engine)
 
         # Decorated here, not on the class, so the LRU bound is this deployment's option.
         self.get_model = serve.multiplexed(max_num_models_per_replica=options.max_models_per_replica)(load_model)
@@ -111,6 +138,8 @@ class ModelServer:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     def _load(self, model_id: str) -> torch.nn.Module:
+        if self.catalog[model_id].get("lora"):  # adapters over the base this replica loads once
+            return self.bases.load(model_id, self.catalog[model_id]["checkpoint"])
         model, _ = load_served_model(model_id, self.catalog[model_id]["checkpoint"])
         return model.to(self.device)
 
@@ -134,10 +163,11 @@ class ModelServer:
             return of_kind[0]
         entry = self.catalog.get(model_id)
         if entry is None:
-            raise error(404, f"unknown model id {model_id!r}; known ids: {known}")
+            raise error(404, f"unknown model id {model_id!r}; known ids: {known}", param="model",
+                        code="model_not_found")
         if entry["endpoint"] != endpoint:
             raise error(400, f"model {model_id!r} is a {entry['model']['name']} model: use "
-                             f"{_ROUTE[entry['endpoint']]}")
+                             f"{_ROUTE[entry['endpoint']]}", param="model")
         return entry
 
     def _check_rows(self, entry: dict, rows: list[list[float]]) -> None:
@@ -145,6 +175,8 @@ class ModelServer:
             raise error(422, f"rows: {len(rows)} rows; at most {self.options.max_batch_rows} "
                              "per request (max_batch_rows)")
         expected = entry["inputs"]["num_features"]
+        if expected is None:  # a user model whose input width its family cannot tell
+            return
         for i, row in enumerate(rows):
             if len(row) != expected:
                 raise error(422, f"rows.{i}: {len(row)} features; model {entry['id']!r} expects {expected}")
@@ -217,15 +249,39 @@ class ModelServer:
     async def generate(self, body: GenerateRequest) -> GenerateResponse:
         """Continue a prompt byte by byte (byte-level LMs); the same seed gives the same text."""
         entry = self._resolve(body.model, "generate")
+        if entry["tokenizer"] is not None:
+            raise error(400, f"model {entry['id']!r} reads text with its tokenizer; /v1/generate takes "
+                             "byte-level models: use POST /v1/completions", param="model")
         job = self._job(body)
         out = await self._submit(self._generate_batch, "generate", (entry["id"], job))
         return GenerateResponse(model=entry["id"], step=entry["step"], seed=job.seed,
                                 text=out.decode("utf-8", errors="replace"), new_tokens=len(out))
 
+    async def _openai(self, body: Any) -> Any:
+        """A completion or chat completion: whole, or streamed as server-sent events."""
+        entry = self._resolve(body.model, "generate")
+        loaded = await self.get_model(entry["id"])
+        ids, params = openai_api.prepare(body, entry, loaded.tokenizer, max_new_tokens=self.options.max_new_tokens)
+        if body.stream:
+            events = openai_api.stream_events(body, entry["id"], loaded.engine, ids, params)
+            return StreamingResponse(events, media_type="text/event-stream")
+        done = await loaded.engine.generate(ids, params)
+        return openai_api.respond(body, entry["id"], done, entry["step"])
+
+    @api.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(self, body: CompletionRequest) -> Any:
+        """OpenAI's completions: continue `prompt` (``stream: true`` for server-sent events)."""
+        return await self._openai(body)
+
+    @api.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(self, body: ChatRequest) -> Any:
+        """OpenAI's chat completions, through the model's chat template."""
+        return await self._openai(body)
+
     @api.get("/v1/models", response_model=ModelsResponse)
     async def models(self) -> ModelsResponse:
-        """Every served model: its config, checkpoint step and training metrics."""
-        return ModelsResponse(models=[ModelInfo(**entry) for entry in self.catalog.values()])
+        """OpenAI's model list; each model with its config, checkpoint step and training metrics."""
+        return ModelsResponse(data=[ModelInfo(**entry) for entry in self.catalog.values()])
 
     @api.get("/healthz", response_model=HealthResponse)
     async def healthz(self) -> HealthResponse:

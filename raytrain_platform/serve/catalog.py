@@ -11,6 +11,7 @@ the first request), described as plain data for ``GET /v1/models`` and the repli
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raytrain_platform.errors import CheckpointError
@@ -26,10 +27,13 @@ __all__ = ["load_catalog", "load_served_model", "describe"]
 def load_served_model(model_id: str, path: str) -> tuple["nn.Module", dict]:
     """``(model, description)`` of one checkpoint, weights loaded without running code;
     errors name the model id."""
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.export import is_hf_directory, load_hf_directory, load_model_for_inference
 
     try:
-        model, _cfg, info = load_model_for_inference(path, servable=True)
+        if is_hf_directory(Path(path)):
+            model, info = load_hf_directory(Path(path))
+        else:
+            model, _cfg, info = load_model_for_inference(path, servable=True)
     except CheckpointError as exc:
         raise CheckpointError(f"model {model_id!r}: {exc}") from None
     return model, describe(model_id, info)
@@ -42,10 +46,24 @@ def describe(model_id: str, info: dict) -> dict:
 
     name, kwargs, task = info["model"]["name"], info["model"]["kwargs"], info["model"]["task"]
     spec = get_family(name).serving(kwargs, task)
+    generate = spec.endpoint == "generate"
+    # The family's context, else (a user LM) the tokens per sample it was trained on.
+    context_len = spec.context_len or (info.get("seq_len") or 0 if generate else 0)
     return {"id": model_id, "model": {"name": name, "kwargs": kwargs}, "task": task,
-            "endpoint": spec.endpoint, "inputs": spec.inputs, "context_len": spec.context_len,
+            "endpoint": spec.endpoint, "inputs": spec.inputs, "context_len": context_len,
+            "tokenizer": (info.get("tokenizer") or spec.tokenizer) if generate else None,
+            "kv_cache": spec.kv_cache, "stop_token_ids": list(spec.stop_token_ids),
             "checkpoint": info["source"], "step": info["step"], "metrics": _finite(info["metrics"]),
-            "num_params": info["num_params"]}
+            "num_params": info["num_params"], "created": _created(info["source"]),
+            "lora": info.get("lora")}  # a LoRA run: replicas share its base (serve/adapters.py)
+
+
+def _created(path: str) -> int:
+    """When the checkpoint was written (Unix seconds): OpenAI's model ``created``."""
+    try:
+        return int(Path(path).stat().st_mtime)
+    except OSError:
+        return 0
 
 
 def _finite(metrics: dict) -> dict:

@@ -4,6 +4,7 @@
     rtp serve mlp=runs/tabular gpt=runs/quickstart --replicas 2 --max-batch-size 16
     rtp serve runs/sweep --max-models-per-replica 2   # every run of a sweep, by run name
     rtp serve runs/quickstart --write-config serve.yaml && serve deploy serve.yaml
+    rtp serve exported/ --write-config llm.yaml --engine vllm   # Ray Serve LLM (vLLM, GPUs)
 
 Options and checkpoints are checked, and every checkpoint loaded once, before Ray
 starts: bad input is one line and exit code 2.
@@ -28,6 +29,7 @@ __all__ = ["add_serve_arguments", "run_serve", "serve_config", "APP_NAME", "BUIL
 
 APP_NAME = "rtp"
 BUILDER_IMPORT_PATH = "raytrain_platform.serve.builder:app"  # the same builder as pipelines.serve:app
+ENGINES = ("torch", "vllm")
 
 
 def _one_line_error(message: str) -> None:
@@ -48,6 +50,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                                                    "an embedded local Ray)")
     p.add_argument("--write-config", metavar="FILE", default=None,
                    help="write a Serve config YAML for `serve deploy` instead of serving")
+    p.add_argument("--engine", default="torch",
+                   help="torch (default): this package's replicas, CPU or GPU; vllm (with --write-config): "
+                        "a Ray Serve LLM config (ray.serve.llm, vLLM on GPUs) for Hugging Face exports")
     for f in option_fields():
         if f.name == "num_replicas":
             continue
@@ -85,11 +90,27 @@ def serve_config(options: ServeOptions, *, host: str, port: int) -> dict[str, An
                               "args": options.to_args()}]}
 
 
-def _write_config(path: str, options: ServeOptions, *, host: str, port: int) -> None:
+def _engine(args: argparse.Namespace) -> str:
+    if args.engine not in ENGINES:
+        raise ConfigError("--engine", args.engine, f"one of {list(ENGINES)}")
+    if args.engine == "vllm" and not args.write_config:
+        raise ConfigError("--engine", args.engine, "torch to serve here; vllm writes a config for a GPU "
+                          "cluster (add --write-config FILE)")
+    return args.engine
+
+
+def _write_config(path: str, options: ServeOptions, *, host: str, port: int, engine: str = "torch",
+                  catalog: dict[str, dict] | None = None) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    config = serve_config(options, host=host, port=port)
-    ServeDeploySchema.model_validate(config)  # what `serve deploy` will check
+    from raytrain_platform.serve.llm_config import llm_app_config, validate_llm_app_config
+
+    if engine == "vllm":
+        config = llm_app_config(catalog or {}, options, host=host, port=port)
+        validate_llm_app_config(config)  # Serve's schema, and Ray Serve LLM's LLMConfig per model
+    else:
+        config = serve_config(options, host=host, port=port)
+        ServeDeploySchema.model_validate(config)  # what `serve deploy` will check
     Path(path).write_text(yaml.safe_dump(config, sort_keys=False))
     print(f"wrote {path}; deploy it with: serve deploy {path}")
 
@@ -134,9 +155,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     options = _options(args)
     port = _port(args.port)
+    engine = _engine(args)
     catalog = load_catalog(options)
     if args.write_config:
-        _write_config(args.write_config, options, host=args.host, port=port)
+        _write_config(args.write_config, options, host=args.host, port=port, engine=engine, catalog=catalog)
         return 0
     _check_port_free(args.host, port)
     _serve_until_stopped(catalog, options, host=args.host, port=port, address=args.address)

@@ -1,7 +1,10 @@
 """HTTP plumbing of the ingress: a request body size limit, and every error as a 4xx
-(or 5xx) with a one-line JSON ``{"error": ...}`` that names the problem. Malformed
-JSON is 400, a body that fails the schema 422 (the field and what is allowed), a body
-over the limit 413; nothing a client sends reaches the replica as an exception.
+(or 5xx) in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with
+a one-line message that names the problem (so the ``openai`` client raises its typed
+errors: BadRequestError, NotFoundError, ...). Malformed JSON is 400, a body that fails
+the schema 422 (400 on the OpenAI endpoints, as OpenAI answers), with the field as
+``param``; a body over the limit 413; nothing a client sends reaches the replica as an
+exception.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from raytrain_platform.errors import UserError
+from raytrain_platform.errors import UserError, describe_error, first_line
 from raytrain_platform.serve.schemas import ErrorResponse
 
-__all__ = ["make_api", "ERROR_RESPONSES", "error"]
+__all__ = ["make_api", "ERROR_RESPONSES", "error", "error_body", "APIError", "OPENAI_PATHS"]
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": what} for code, what in (
@@ -26,8 +29,28 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
                                                  "non-finite, or over a limit"))}
 
 
-def error(status: int, message: str) -> HTTPException:
-    return HTTPException(status_code=status, detail=message)
+# Paths that answer schema errors with 400, as OpenAI's API does.
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+          422: "invalid_request_error", 503: "service_unavailable"}
+
+
+class APIError(HTTPException):
+    """An HTTP error with OpenAI's ``param`` (the field at fault) and ``code``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(status_code=status, detail=message)
+        self.param, self.code = param, code
+
+
+def error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> HTTPException:
+    return APIError(status, message, param=param, code=code)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    """``{"error": {...}}`` in OpenAI's shape (also sent as a stream's last event)."""
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class BodySizeLimit:
@@ -59,8 +82,9 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
-def _error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+def _error_response(status: int, message: str, *, param: str | None = None,
+                    code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param=param, code=code), status_code=status)
 
 
 def _location(loc: tuple) -> str:
@@ -68,18 +92,20 @@ def _location(loc: tuple) -> str:
     return ".".join(parts) or "body"
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
+def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | None]:
+    """(status, one-line message, the field at fault)."""
     errors = exc.errors()
     first = errors[0]
     if first.get("type") == "json_invalid":
         reason = first.get("ctx", {}).get("error", "invalid JSON")
-        return 400, f"malformed JSON body: {reason}"
+        return 400, f"malformed JSON body: {reason}", None
     if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
-        return 422, "missing JSON body"
+        return 422, "missing JSON body", None
     value = first.get("input")
     shown = "" if first.get("type") == "missing" or isinstance(value, (dict, list)) else f" (got {value!r:.60})"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return 422, f"{_location(first.get('loc', ()))}: {first.get('msg')}{shown}{more}"
+    where = _location(first.get("loc", ()))
+    return 422, f"{where}: {first.get('msg')}{shown}{more}", where
 
 
 def make_api(title: str, version: str) -> FastAPI:
@@ -90,21 +116,25 @@ def make_api(title: str, version: str) -> FastAPI:
 
     @api.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(*_validation_message(exc))
+        status, message, param = _validation_message(exc)
+        if request.url.path in OPENAI_PATHS:
+            status = 400
+        return _error_response(status, message, param=param)
 
     @api.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         message = str(exc.detail)
         if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
             message = f"{request.method} {request.url.path}: {message.lower()} (see /docs)"
-        return _error_response(exc.status_code, message)
+        return _error_response(exc.status_code, message, param=getattr(exc, "param", None),
+                               code=getattr(exc, "code", None))
 
     @api.exception_handler(UserError)
     async def _user(request: Request, exc: UserError) -> JSONResponse:
-        return _error_response(503, f"model unavailable: {exc}")
+        return _error_response(503, f"model unavailable: {first_line(exc)}")
 
     @api.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        return _error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return _error_response(500, f"internal error: {describe_error(exc)}")  # its root cause, one line
 
     return api

@@ -27,6 +27,7 @@ __all__ = ["CheckpointSpec", "ServeOptions", "parse_serve_args", "option_fields"
 
 MODEL_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._@/-]{0,127}"
 _EXPORT_INFO = "export.json"  # raytrain_platform.export.EXPORT_INFO_FILE, without importing torch
+_HF_CONFIG = "config.json"  # a Hugging Face model folder (export.HF_CONFIG_FILE)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def _split_specs(value: Any) -> list[str]:
 
 def _is_model_dir(path: Path) -> bool:
     return ((path / STATE_FILE).is_file() or (path / _EXPORT_INFO).is_file()
-            or latest_checkpoint(path) is not None)
+            or (path / _HF_CONFIG).is_file() or latest_checkpoint(path) is not None)
 
 
 def _expand(name: str | None, path: Path) -> list[CheckpointSpec]:

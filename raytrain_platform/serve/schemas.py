@@ -15,12 +15,12 @@ pydantic_core._pydantic_core.ValidationError: 1 validation error for PredictRequ
 
 from __future__ import annotations
 
-from typing import Annotated, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["PredictRequest", "PredictResponse", "GenerateRequest", "GenerateResponse",
-           "ModelInfo", "ModelsResponse", "HealthResponse", "BatchStats", "ErrorResponse"]
+           "ModelInfo", "ModelsResponse", "HealthResponse", "BatchStats", "ErrorResponse", "ErrorDetail"]
 
 Feature = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 ModelId = Annotated[Optional[str], Field(
@@ -71,21 +71,35 @@ class GenerateResponse(_Strict):
 
 
 class ModelInfo(_Strict):
+    """One served model, in OpenAI's model shape (id, object, created, owned_by) plus
+    what this platform knows of it."""
+
     id: str
+    object: Literal["model"] = "model"
+    created: int = Field(0, description="when the checkpoint was written, Unix seconds")
+    owned_by: str = "raytrain_platform"
     model: dict = Field(description="model.name and model.kwargs from the training config")
     task: str = Field(description="classification, regression or lm")
     endpoint: str = Field(description="predict (POST /v1/predict) or generate (POST /v1/generate)")
     inputs: dict = Field(description="what a request's input must match, from the model's family: "
                          "num_features/num_outputs (predict) or block_size/vocab_size (gpt)")
     context_len: int = Field(0, description="generate: tokens of context the model sees")
+    tokenizer: Optional[str] = Field(None, description="generate: the tokenizer folder; null: UTF-8 bytes")
+    kv_cache: bool = Field(False, description="generate: decoding keeps a KV cache (else the context is "
+                           "re-run per token)")
+    stop_token_ids: list[int] = Field(default_factory=list, description="generate: end-of-sequence tokens")
     checkpoint: str
     step: int
     metrics: dict = Field(description="the training metrics recorded with the checkpoint")
     num_params: int
+    lora: Optional[dict] = Field(None, description="a LoRA run: its model.lora and base (null otherwise)")
 
 
 class ModelsResponse(_Strict):
-    models: list[ModelInfo]
+    """OpenAI's list shape (``client.models.list()`` reads it)."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelInfo]
 
 
 class BatchStats(_Strict):
@@ -111,5 +125,14 @@ class HealthResponse(_Strict):
                                           "(predict, generate), since it started")
 
 
+class ErrorDetail(_Strict):
+    message: str = Field(description="one line naming the problem and what is allowed")
+    type: str = Field(description="invalid_request_error, not_found_error, server_error, ...")
+    param: Optional[str] = Field(None, description="the request field at fault, if one is")
+    code: Optional[str] = Field(None, description="a short code (model_not_found, context_length_exceeded, ...)")
+
+
 class ErrorResponse(_Strict):
-    error: str = Field(description="one line naming the problem and what is allowed")
+    """OpenAI's error shape, so its clients raise their typed errors."""
+
+    error: ErrorDetail

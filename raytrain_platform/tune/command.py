@@ -86,4 +86,8 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     kwargs = load_sweep_file(args.sweep_file, args.overrides)
     result = sweep(**kwargs, address=args.address, verbose=args.verbose)
-    return 0 if result.best_trial else 1
+    if result.best_trial:
+        return 0
+    # No trial finished: bad input (2) when every trial that ran was refused for it.
+    ran = result.trials[result.trials["status"] != "not run"]
+    return 2 if len(ran) and (ran["status"] == "invalid").all() else 1

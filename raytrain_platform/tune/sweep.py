@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_platform.config import JobConfig, load_config
+from raytrain_platform.config import JobConfig, RunConfig, load_config
 from raytrain_platform.errors import ConfigError, UserError
-from raytrain_platform.core.rundir import best_checkpoint
+from raytrain_platform.core.rundir import TRACKING_FILE, best_checkpoint
+from raytrain_platform.tracking import SWEEP_PARENT_KEY, TrackedRun, open_sweep_run, pin_tracking_uri
 from raytrain_platform.tune.results import (BEST_CONFIG_FILE, PLOT_FILE, REPORTED, RESULTS_FILE,
                                             SweepResult, pick_best, plot_sweep, write_best_config)
 from raytrain_platform.tune.space import Axis, expand, parse_space
@@ -192,8 +193,9 @@ def _quiet_tune(verbose: bool):
 
 
 def _make_tuner(trials: list[PlannedTrial], *, sweep_dir: Path, metric: str, mode: str,
-                scheduler: Any, concurrency: int, progress: bool):
-    """A new Tuner, or the interrupted one restored from <sweep>/tune/ (Tune restore)."""
+                scheduler: Any, concurrency: int, progress: bool, tracking: dict):
+    """A new Tuner, or the interrupted one restored from <sweep>/tune/ (Tune restore).
+    `tracking`: what every trial gets besides its own config (the MLflow parent run)."""
     import ray.tune
 
     from raytrain_platform.tune.callbacks import NoTuneReport, ReleaseStopped, TrialTable
@@ -206,7 +208,7 @@ def _make_tuner(trials: list[PlannedTrial], *, sweep_dir: Path, metric: str, mod
         # resume from their run directory's latest checkpoint.
         return ray.tune.Tuner.restore(str(tune_dir), trainable, resume_unfinished=True), True
     table = TrialTable({t.name: (t.params, t.total_steps) for t in trials}, metric)
-    space = {"metric": metric, "trial": ray.tune.grid_search(
+    space = {"metric": metric, **tracking, "trial": ray.tune.grid_search(
         [{"name": t.name, "params": t.params, "config": t.config} for t in trials])}
     tuner = ray.tune.Tuner(
         trainable, param_space=space,
@@ -222,7 +224,7 @@ def _make_tuner(trials: list[PlannedTrial], *, sweep_dir: Path, metric: str, mod
 def _rows(grid: Any, trials: list[PlannedTrial], metric: str) -> list[dict]:
     """One row per planned trial, from Tune's results (launched) or the plan (not)."""
     from raytrain_platform.tune.callbacks import trial_status
-    from raytrain_platform.tune.trial import recorded_reason
+    from raytrain_platform.tune.trial import recorded_reason, recorded_user_error
 
     by_name = {r.config["trial"]["name"]: r for r in grid}
     rows = []
@@ -236,8 +238,9 @@ def _rows(grid: Any, trials: list[PlannedTrial], metric: str) -> list[dict]:
             row.update(status="invalid", error=t.error)
         elif result is None or (result.error is None and "step" not in last):
             row.update(status="not run", error="")
-        elif result.error is not None:
-            row.update(status="failed", error=recorded_reason(result.error))
+        elif result.error is not None:  # our own bad-input error inside the trial: invalid too
+            row.update(status="invalid" if recorded_user_error(result.error) else "failed",
+                       error=recorded_reason(result.error))
         else:
             row.update(status=trial_status(last.get("step"), t.total_steps), error="")
         row["duration_s"] = round(last.get("time_total_s", float("nan")), 1)
@@ -272,6 +275,15 @@ def _finish(rows: list[dict], trials: list[PlannedTrial], axes: list[Axis], *, s
     return SweepResult(sweep_dir=sweep_dir, trials=frame, metric=metric, mode=mode,
                        best_trial=best["trial"] if best else None, best_config=best_cfg,
                        best_checkpoint=best_ckpt, results_csv=csv, plot=plot)
+
+
+def _track_result(parent: TrackedRun, result: SweepResult) -> None:
+    """The parent MLflow run holds the results table, the plot, the best config and the
+    best value of the objective."""
+    parent.log_artifacts([result.results_csv, result.plot, result.best_config])
+    if result.best_trial:
+        parent.log_values({f"best_{result.metric}": float(result.best[result.metric])},
+                          {"best_trial": result.best_trial})
 
 
 def _summary_lines(result: SweepResult) -> list[str]:
@@ -310,17 +322,18 @@ def sweep(base_config: Any, space: dict, *, metric: str = "val_loss", mode: str 
     base.replace({"run.name": name})  # the same rule as a run name
     base_storage = os.path.abspath(os.path.expanduser(base.run.storage_path))
     sweep_dir = Path(os.path.abspath(os.path.expanduser(storage_path or base_storage))) / name
+    base = pin_tracking_uri(base, str(sweep_dir.parent))  # trials log beside their parent run
     trials = plan_trials(base, axes, num_samples=num_samples, seed=seed,
                          runs_dir=str(sweep_dir / "runs"), metric=metric)
     emit = (lambda line: print(line, flush=True)) if progress else (lambda line: None)
     return _run(trials, axes, emit=emit, sweep_dir=sweep_dir, name=name, metric=metric, mode=mode,
                 scheduler=scheduler, max_concurrent=max_concurrent, base_storage=base_storage,
-                address=address, verbose=verbose, progress=progress)
+                address=address, verbose=verbose, progress=progress, tracking=base.run)
 
 
 def _run(trials: list[PlannedTrial], axes: list[Axis], *, emit, sweep_dir: Path, name: str,
          metric: str, mode: str, scheduler: Any, max_concurrent: int | None, base_storage: str,
-         address: str | None, verbose: bool, progress: bool) -> SweepResult:
+         address: str | None, verbose: bool, progress: bool, tracking: RunConfig) -> SweepResult:
     from raytrain_platform.launch.trainer import init_ray
 
     runnable = [t for t in trials if t.error is None]
@@ -342,14 +355,21 @@ def _run(trials: list[PlannedTrial], axes: list[Axis], *, emit, sweep_dir: Path,
     for t in trials:
         if t.error:
             emit(f"{t.name} not launched: {t.error}")
-    tuner, resumed = _make_tuner(runnable, sweep_dir=sweep_dir, metric=metric, mode=mode,
-                                 scheduler=sched, concurrency=concurrency, progress=progress)
-    emit(f"sweep '{name}'{' (resumed)' if resumed else ''}: {len(runnable)} trial(s), up to "
-         f"{concurrency} at a time; {metric} ({mode}); {sweep_dir}")
-    with _quiet_tune(verbose):
-        grid = tuner.fit()
-    result = _finish(_rows(grid, trials, metric), trials, axes, sweep_dir=sweep_dir, name=name,
-                     metric=metric, mode=mode, base_storage=base_storage)
+    parent = open_sweep_run(tracking, name=name, state_file=sweep_dir / TRACKING_FILE, settings={
+        "metric": metric, "mode": mode, "scheduler": scheduler, "trials": len(runnable),
+        "space": [a.path for a in axes]})
+    with parent.ending():  # FINISHED, or FAILED if the sweep raises
+        tuner, resumed = _make_tuner(
+            runnable, sweep_dir=sweep_dir, metric=metric, mode=mode, scheduler=sched,
+            concurrency=concurrency, progress=progress,
+            tracking={SWEEP_PARENT_KEY: parent.run_id} if "mlflow" in tracking.tracking else {})
+        emit(f"sweep '{name}'{' (resumed)' if resumed else ''}: {len(runnable)} trial(s), up to "
+             f"{concurrency} at a time; {metric} ({mode}); {sweep_dir}")
+        with _quiet_tune(verbose):
+            grid = tuner.fit()
+        result = _finish(_rows(grid, trials, metric), trials, axes, sweep_dir=sweep_dir, name=name,
+                         metric=metric, mode=mode, base_storage=base_storage)
+        _track_result(parent, result)
     for line in _summary_lines(result):
         emit(line)
     return result

@@ -12,24 +12,41 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_platform.core.rundir import SUMMARY_FILE
+from raytrain_platform.tracking.runs import SWEEP_PARENT_KEY
 
-__all__ = ["TrialFailed", "trial_driver", "failure_reason", "recorded_reason", "trial_error",
+__all__ = ["TrialFailed", "trial_driver", "failure_reason", "recorded_reason", "recorded_user_error", "trial_error",
            "trial_dirname", "release_trial"]
 
 
 class TrialFailed(RuntimeError):
-    """A trial's run failed; the message is the one-line reason shown in the results."""
+    """A trial's run failed; the message is the one-line reason shown in the results.
+    `user_error`: the reason is our own bad-input error (config, data, checkpoint),
+    raised inside the trial: the trial is recorded as invalid, not failed."""
+
+    def __init__(self, reason: str, user_error: bool = False):
+        super().__init__(reason)
+        self.user_error = user_error
+
+    def __reduce__(self):  # Tune pickles it to the driver: keep the flag
+        return (type(self), (str(self), self.user_error))
+
+
+def recorded_user_error(error: BaseException | None) -> bool:
+    """Whether a trial Tune recorded as errored failed on our own bad-input error."""
+    from raytrain_platform.errors import user_cause
+
+    cause = getattr(error, "cause", error)
+    if isinstance(cause, TrialFailed):
+        return cause.user_error
+    return error is not None and user_cause(error) is not None
 
 
 def failure_reason(exc: BaseException) -> str:
     """One line for a failed run: a `UserError` found anywhere in the chain (a bad
     combination), else the exception type and the failing rank's last line."""
-    from raytrain_platform.errors import first_line, user_cause  # the CLI's own rule
+    from raytrain_platform.errors import describe_error  # the CLI's own rule
 
-    cause = user_cause(exc)
-    if cause is not None:
-        return str(cause)
-    return f"{type(exc).__name__}: {first_line(exc)}"
+    return describe_error(exc)
 
 
 def recorded_reason(error: BaseException | None) -> str:
@@ -137,7 +154,12 @@ def trial_driver(config: dict) -> None:
             ray.tune.report(done)
             return
         run_dir = Path(job.config.run.run_dir)
-        run_job(job, emit=lambda line: None, tail=False,
+        # MLflow: a child of the sweep's parent run, with the swept values as its params.
+        sweep_trial = ({"parent_run_id": config[SWEEP_PARENT_KEY], "params": trial["params"]}
+                       if SWEEP_PARENT_KEY in config else None)
+        run_job(job, emit=lambda line: None, tail=False, sweep_trial=sweep_trial,
                 callbacks=[_objective_callback(config["metric"]), _placement_group_recorder(run_dir)])
     except Exception as exc:
-        raise TrialFailed(failure_reason(exc)) from None
+        from raytrain_platform.errors import user_cause
+
+        raise TrialFailed(failure_reason(exc), user_error=user_cause(exc) is not None) from None

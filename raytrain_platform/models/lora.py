@@ -1,0 +1,171 @@
+"""LoRA adapters on any family's model, through ``peft``.
+
+    model:
+      name: hf
+      kwargs: {path: /models/Llama-3.1-8B}
+      lora: {r: 16, alpha: 32, dropout: 0.05, target_modules: [q_proj, k_proj, v_proj, o_proj]}
+
+Why ``peft.inject_adapter_in_model`` and not ``get_peft_model``: injection keeps the
+model's own class and module paths (``q_proj`` becomes a LoRA layer holding
+``q_proj.base_layer`` and ``q_proj.lora_A.default``), so everything a family says of
+its model (blocks for FSDP and activation checkpointing, ``logits``, ``init_buffers``,
+``save_pretrained`` for an hf export) holds unchanged. ``get_peft_model`` wraps the
+model in a ``PeftModel`` (names gain ``base_model.model.``, and ``save_pretrained``
+then writes the adapter, not the model). Checked with peft 0.21 and torch 2.13: the
+injected model builds on the meta device, and FSDP2 ``fully_shard`` per decoder layer
+trains only the adapters.
+
+A target names modules by the end of their path, as peft matches them (``q_proj``
+matches ``model.layers.3.self_attn.q_proj``); each target must match at least one
+``nn.Linear`` (otherwise one line naming the Linear modules the model has).
+
+No torch at module level: the config layer checks the section through `resolve_lora`.
+
+>>> resolve_lora({"r": 4})["target_modules"]
+['q_proj', 'v_proj']
+>>> resolve_lora({"r": 0})
+Traceback (most recent call last):
+...
+raytrain_platform.errors.ConfigError: model.lora.r = 0: expected an integer >= 1 (the adapters' rank)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from raytrain_platform.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["ADAPTER", "LORA_DEFAULTS", "adapter_state", "apply_lora", "base_source_name", "check_targets",
+           "is_adapter", "linear_names", "merge_lora", "peft_config", "resolve_lora"]
+
+ADAPTER = "default"  # peft's adapter name: every run trains one adapter
+# q and v projections: the original LoRA paper's choice, and peft's default for Llama.
+LORA_DEFAULTS: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+_ADAPTER_PARTS = (".lora_A.", ".lora_B.")
+
+
+def resolve_lora(section: Any) -> dict:
+    """``model.lora`` with defaults filled in; one-line `ConfigError` naming the key."""
+    if not isinstance(section, dict):
+        raise ConfigError("model.lora", section, f"a mapping with keys {list(LORA_DEFAULTS)}, or null")
+    for key in section:
+        if key not in LORA_DEFAULTS:
+            raise ConfigError(f"model.lora.{key}", section[key], f"no such key; model.lora keys are "
+                              f"{list(LORA_DEFAULTS)}")
+    lora = {**LORA_DEFAULTS, **section}
+    r, alpha, dropout, targets = lora["r"], lora["alpha"], lora["dropout"], lora["target_modules"]
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ConfigError("model.lora.r", r, "an integer >= 1 (the adapters' rank)")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise ConfigError("model.lora.alpha", alpha, "a number > 0 (adapter outputs are scaled by alpha / r)")
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+        raise ConfigError("model.lora.dropout", dropout, "a number in [0, 1)")
+    if isinstance(targets, str):
+        targets = [targets]
+    if (not isinstance(targets, list) or not targets
+            or not all(isinstance(t, str) and t and not t.startswith(".") for t in targets)):
+        raise ConfigError("model.lora.target_modules", targets, "a non-empty list of module names "
+                          "(the end of their path, e.g. [q_proj, v_proj])")
+    return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": list(dict.fromkeys(targets))}
+
+
+def _matches(name: str, target: str) -> bool:
+    """peft's rule for a list of targets: the whole path, or its end after a dot."""
+    return name == target or name.endswith("." + target)
+
+
+def linear_names(model: "nn.Module") -> list[str]:
+    """Paths of the model's ``nn.Linear`` modules."""
+    from torch import nn
+
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def check_targets(model: "nn.Module", lora: dict, *, model_name: str) -> list[str]:
+    """The Linear modules `lora`'s targets pick (built on the meta device, this is free);
+    a `ConfigError` for a model with no Linear layer or a target that matches none."""
+    linears = linear_names(model)
+    if not linears:
+        classes = sorted({type(m).__name__ for m in model.modules()})[:8]
+        raise ConfigError("model.lora", lora, f"a model with nn.Linear layers for LoRA adapters; model "
+                          f"{model_name!r} has none (its modules are {classes})")
+    short = sorted({n.rsplit(".", 1)[-1] for n in linears})
+    picked = []
+    for target in lora["target_modules"]:
+        hits = [n for n in linears if _matches(n, target)]
+        if not hits:
+            other = [n for n, _ in model.named_modules() if n and _matches(n, target)]
+            why = f" ({other[0]} is of class {type(model.get_submodule(other[0])).__name__}, not nn.Linear)" if other else ""
+            raise ConfigError("model.lora.target_modules", target, f"names of Linear modules of model "
+                              f"{model_name!r}{why}: it has {short}")
+        picked += hits
+    return sorted(set(picked))
+
+
+def peft_config(lora: dict, *, base_path: str | None = None, task_type: str | None = None) -> Any:
+    """The ``peft.LoraConfig`` of ``model.lora`` (targets as their matched module names are
+    matched by peft, so peft adapts exactly the modules `check_targets` listed)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=list(lora["target_modules"]), bias="none",
+                      base_model_name_or_path=base_path, task_type=task_type)
+
+
+def apply_lora(model: "nn.Module", lora: dict, *, model_name: str) -> "nn.Module":
+    """`model` with LoRA adapters injected in place (same class, same paths); only the
+    adapters require gradients. Works on a meta-device model: its adapters are then on
+    the meta device too, and are initialised after ``to_empty`` (core/adapters.py)."""
+    from peft import inject_adapter_in_model
+
+    check_targets(model, lora, model_name=model_name)
+    model = inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter path is a LoRA adapter's (``...lora_A.default.weight``)."""
+    return any(part in f".{name}" for part in _ADAPTER_PARTS)
+
+
+def base_source_name(name: str) -> str | None:
+    """The base model's name of a LoRA model's tensor (``q_proj.base_layer.weight`` ->
+    ``q_proj.weight``, as in the pretrained files); None for an adapter's own.
+
+    >>> base_source_name("model.layers.0.self_attn.q_proj.base_layer.weight")
+    'model.layers.0.self_attn.q_proj.weight'
+    >>> base_source_name("model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
+    True
+    """
+    if is_adapter(name):
+        return None
+    return name.replace(".base_layer.", ".")
+
+
+def adapter_state(model: "nn.Module") -> dict:
+    """The adapters' tensors under PEFT's saved names (``base_model.model.<path>.lora_A.weight``,
+    what ``PeftModel.save_pretrained`` writes and ``PeftModel.from_pretrained`` reads)."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
+    return {f"base_model.model.{k}": v.detach().contiguous() for k, v in state.items()}
+
+
+def merge_lora(model: "nn.Module") -> "nn.Module":
+    """Adapters folded into their base weights (W + B A x alpha / r), each LoRA layer
+    replaced by its plain base module: the model's original structure and names."""
+    for name, module in list(model.named_modules()):
+        base = getattr(module, "base_layer", None)
+        if base is None or not hasattr(module, "merge"):
+            continue
+        module.merge(safe_merge=True, adapter_names=[ADAPTER])
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+    return model

@@ -1,0 +1,70 @@
+"""LoRA in the planner: the adapters' size from a model's shape, and what a frozen base
+changes in the memory of one device.
+
+A LoRA run (models/lora.py) keeps the whole base (fp32, sharded by FSDP like any
+parameter) but has gradients and optimizer state for the adapters only: ``r x (in +
+out)`` parameters per adapted Linear, 2 tensors (A and B) each. FSDP's gathered units
+hold no full gradients of frozen weights, and DDP's buckets hold only adapter
+gradients. Activations are those of full fine-tuning: backward still runs through
+every block to reach the first adapters. The rank-``r`` intermediates are left out
+(``r`` values per token per adapter).
+
+>>> from raytrain_platform.plan.shapes import preset_shape
+>>> lora_size(preset_shape("llama2-7b"), r=16, targets=("q_proj", "v_proj"))
+LoraSize(params=8388608, tensors=128, r=16, targets=('q_proj', 'v_proj'))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raytrain_platform.errors import ConfigError
+from raytrain_platform.plan.shapes import ModelShape
+
+__all__ = ["DEFAULT_R", "DEFAULT_TARGETS", "LoraSize", "lora_size"]
+
+# What `rtp plan` suggests when full fine-tuning fits nowhere: all attention projections.
+DEFAULT_R, DEFAULT_TARGETS = 16, ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class LoraSize:
+    """Adapter parameters and tensors over the whole model, and what they came from."""
+
+    params: int
+    tensors: int
+    r: int
+    targets: tuple[str, ...]
+
+
+def _linears(model: ModelShape) -> dict[str, tuple[int, int, int]]:
+    """Linear modules by name: (in features, out features, how many in the model)."""
+    h, f, L = model.hidden, model.ffn_hidden, model.n_layer
+    head_dim = h // model.n_head  # Llama, Mistral, Qwen2 and GPT-2 (Qwen3 may set its own)
+    q, kv = model.n_head * head_dim, (model.n_kv_head or model.n_head) * head_dim
+    out = {"q_proj": (h, q, L), "k_proj": (h, kv, L), "v_proj": (h, kv, L), "o_proj": (q, h, L),
+           "up_proj": (h, f, L), "down_proj": (f, h, L), "lm_head": (h, model.vocab, 1)}
+    if model.gated_mlp:
+        out["gate_proj"] = (h, f, L)
+    return out
+
+
+def lora_size(model: ModelShape, *, r: int, targets: tuple[str, ...] | list[str]) -> LoraSize:
+    """The adapters of rank `r` on the Linear modules named `targets` (their last name,
+    as ``model.lora.target_modules``) of a transformer shape."""
+    if model.kind != "transformer":
+        raise ConfigError("model.lora", {"r": r}, f"a transformer model for rtp plan's LoRA estimate "
+                          f"(model {model.name} is {model.kind})")
+    if not (isinstance(r, int) and r >= 1):
+        raise ConfigError("--lora-r", r, "an integer >= 1")
+    linears = _linears(model)
+    params = tensors = 0
+    for target in targets:
+        name = target.rsplit(".", 1)[-1]
+        if name not in linears:
+            raise ConfigError("model.lora.target_modules", target, f"one of {sorted(linears)} for rtp plan "
+                              f"(the Linear modules of a {'gated ' if model.gated_mlp else ''}decoder)")
+        fan_in, fan_out, count = linears[name]
+        params += count * r * (fan_in + fan_out)
+        tensors += 2 * count
+    return LoraSize(params=params, tensors=tensors, r=r, targets=tuple(targets))

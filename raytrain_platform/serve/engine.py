@@ -1,0 +1,217 @@
+"""Continuous batching of generation inside a replica: one `GenerationEngine` per loaded
+LM, an asyncio scheduler that joins every request in flight into one forward per step.
+
+Each step (on the replica's compute thread, so the event loop keeps accepting
+requests): one decode forward for the rows already running, one prefill forward for the
+requests that arrived since (at most ``max_batch`` rows in all), then a token sampled
+per row. Between steps, finished rows leave and waiting requests join, so a request
+never waits for another to finish (vLLM's and TGI's continuous batching, at the
+granularity of one token).
+
+Sampling is per request: temperature (0 = greedy), top_p, and a ``torch.Generator``
+seeded by the request, drawing one uniform number per token and taking the token where
+it falls in the cumulative distribution. The draws do not depend on the batch, so the
+same seed gives the same text whatever else is running (the batch shapes change the
+logits only in the last bits of float32, which moves a draw only if it falls within
+that distance of a boundary).
+
+>>> import asyncio, torch
+>>> from transformers import LlamaConfig, LlamaForCausalLM
+>>> from raytrain_platform.serve.text import ByteTokenizer
+>>> torch.manual_seed(0) and None
+>>> cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+...                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+>>> llama = LlamaForCausalLM(cfg).eval()
+>>> async def demo():
+...     engine = GenerationEngine(llama, ByteTokenizer(), kv_cache=True, logits_of=lambda o: o.logits)
+...     ask = lambda seed: engine.generate(list(b"hi"), SamplingParams(max_tokens=6, temperature=1.0, seed=seed))
+...     return await asyncio.gather(ask(1), ask(2), ask(1))
+>>> a, b, c = asyncio.run(demo())
+>>> a.text == c.text, a.completion_tokens, a.finish_reason
+(True, 6, 'length')
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from raytrain_platform.serve.decode import KVCacheBatch, RecomputeBatch
+from raytrain_platform.serve.text import TextStream, Tokenizer
+
+__all__ = ["Completion", "GenerationEngine", "SamplingParams", "sample_next"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None  # None: a random one (`Completion.seed` says which)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence tokens
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str  # "stop" (a stop string or end-of-sequence token) | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    seed: int
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from (vocab,) logits: greedy at temperature 0; else one uniform draw
+    from `generator` placed in the cumulative distribution (after top_p filtering)."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more likely tokens
+        sorted_probs[before >= params.top_p] = 0.0  # the nucleus: smallest set reaching top_p
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    cdf = probs.cumsum(0)
+    draw = torch.rand((), generator=generator) * cdf[-1]
+    return int(torch.searchsorted(cdf, draw, right=True).clamp(max=len(cdf) - 1))
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    stream: TextStream
+    seed: int
+    generator: torch.Generator
+    deltas: asyncio.Queue = field(default_factory=asyncio.Queue)  # str pieces, then a Completion
+    generated: int = 0
+    cancelled: bool = False
+
+
+class GenerationEngine:
+    """The scheduler of one model: `generate` / `stream` put a request in, the loop
+    (started on demand, ended when idle) runs steps until every request is done."""
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, *, kv_cache: bool,
+                 logits_of: Callable[[Any], torch.Tensor], context_len: int = 0, max_batch: int = 32,
+                 run: Callable[..., Awaitable[Any]] | None = None, pad_id: int = 0,
+                 on_step: Callable[[int], None] | None = None):
+        self.tokenizer, self.max_batch, self.context_len = tokenizer, max_batch, context_len
+        if kv_cache:
+            self.batch: KVCacheBatch | RecomputeBatch = KVCacheBatch(model, logits_of=logits_of, pad_id=pad_id)
+        else:
+            self.batch = RecomputeBatch(model, logits_of=logits_of, context_len=context_len)
+        self.kv_cache = kv_cache
+        self._run = run or _inline
+        self._on_step = on_step or (lambda rows: None)  # rows per forward step, for /healthz
+        self.running: list[_Request] = []  # rows of self.batch, in order
+        self.waiting: list[_Request] = []
+        self._loop: asyncio.Task | None = None
+        self.steps = 0  # forwards run (a step = one decode and/or one prefill)
+        self.largest_batch = 0
+
+    # ---- requests in ---------------------------------------------------------------------
+    def _add(self, prompt: list[int], params: SamplingParams) -> _Request:
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        request = _Request(prompt, params, TextStream(self.tokenizer, params.stop), seed,
+                           torch.Generator().manual_seed(seed))
+        self.waiting.append(request)
+        if self._loop is None or self._loop.done():
+            self._loop = asyncio.get_running_loop().create_task(self._schedule())
+        return request
+
+    async def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[str | Completion]:
+        """Text deltas as they become final, then the `Completion`. Leaving early
+        (a client gone) takes the request out at the next step."""
+        request = self._add(prompt, params)
+        try:
+            while True:
+                item = await request.deltas.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, Completion):
+                    return
+        finally:
+            request.cancelled = True
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
+        async for item in self.stream(prompt, params):
+            if isinstance(item, Completion):
+                return item
+        raise RuntimeError("generation ended without a result")  # not reached
+
+    # ---- the loop --------------------------------------------------------------------------
+    async def _schedule(self) -> None:
+        while self.running or self.waiting:
+            room = self.max_batch - len(self.running)
+            joining = [r for r in self.waiting if not r.cancelled][:room]
+            self.waiting = [r for r in self.waiting if not r.cancelled and r not in joining]
+            try:
+                tokens = await self._run(self._step, joining)
+            except Exception as exc:  # every request in the step gets the error; the loop goes on
+                for request in self.running + joining:
+                    request.deltas.put_nowait(exc)
+                self.running = []
+                self.batch.select([])
+                continue
+            self.running += joining
+            self.largest_batch = max(self.largest_batch, len(self.running))
+            self._on_step(len(self.running))
+            keep = [i for i, (request, token) in enumerate(zip(self.running, tokens))
+                    if not self._deliver(request, token)]
+            if len(keep) < len(self.running):
+                self.running = [self.running[i] for i in keep]
+                self.batch.select(keep)
+
+    def _step(self, joining: list[_Request]) -> list[int]:
+        """Compute thread: decode the running rows, prefill the joining ones, sample."""
+        parts = []
+        if self.running:
+            parts.append(self.batch.decode())
+        if joining:
+            parts.append(self.batch.prefill([r.prompt for r in joining]))
+        logits = torch.cat(parts).cpu()
+        self.steps += 1
+        requests = self.running + joining
+        tokens = [sample_next(logits[i], r.params, r.generator) for i, r in enumerate(requests)]
+        self.batch.advance(tokens)
+        return tokens
+
+    def _deliver(self, request: _Request, token: int) -> bool:
+        """Hand `token`'s text to the request; True when the request is done."""
+        if request.cancelled:
+            return True
+        request.generated += 1
+        finish = None
+        if token in request.params.stop_token_ids:
+            finish = "stop"
+        else:
+            delta = request.stream.push(token)
+            if delta:
+                request.deltas.put_nowait(delta)
+            if request.stream.stopped:
+                finish = "stop"
+        total = len(request.prompt) + request.generated
+        if finish is None and (request.generated >= request.params.max_tokens
+                               or (self.kv_cache and self.context_len and total >= self.context_len)):
+            finish = "length"
+        if finish is None:
+            return False
+        rest = request.stream.finish()
+        if rest:
+            request.deltas.put_nowait(rest)
+        request.deltas.put_nowait(Completion(request.stream.text, finish, len(request.prompt),
+                                             request.generated, request.seed))
+        return True
+
+
+async def _inline(fn: Callable, *args: Any) -> Any:
+    return fn(*args)
