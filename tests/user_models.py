@@ -127,9 +127,8 @@ def failing_mlp(input_dim: int = 16, num_outputs: int = 4, fail_at: int = 2):
     model = NanMLP(input_dim, num_outputs, nan_from=10**9, nan_until=None)
 
     def check(module, args):
-        if module.training:
-            if module.calls == fail_at:
-                raise ValueError(f"user model failed on forward {fail_at}")
+        if module.training and module.calls == fail_at:
+            raise ValueError(f"user model failed on forward {fail_at}")
     model.register_forward_pre_hook(check)
     return model
 
