@@ -146,3 +146,22 @@ def test_index_naming_other_files_or_missing_shards_is_refused(tmp_path):
         shard.unlink()
     with pytest.raises(CheckpointError, match="is missing"):
         load_full_model_state(ckpt, torch.nn.Linear(4, 3))
+
+
+def test_tied_weights_are_saved_under_each_name_and_load_back_tied(tmp_path):
+    """An LM head tied to its embedding (Llama 3.2 1B, many small Qwens): safetensors
+    refuses shared memory, so the full-state writer stores each name; loading fills the
+    one shared parameter."""
+    from raytrain_platform.core.checkpoint import write_weights
+    from safetensors.torch import load_file
+
+    from user_models import tied_mlp
+
+    model = tied_mlp()
+    write_weights(tmp_path / "model.safetensors", model)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    torch.testing.assert_close(state["back.weight"], state["inp.weight"], rtol=0, atol=0)
+    fresh = tied_mlp()
+    fresh.load_state_dict(state)
+    assert fresh.back.weight is fresh.inp.weight
+    torch.testing.assert_close(fresh.inp.weight, model.inp.weight, rtol=0, atol=0)

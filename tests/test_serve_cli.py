@@ -54,3 +54,31 @@ def test_rtp_serve_prints_its_url_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_rtp_serve_answers_the_openai_client_for_a_hugging_face_directory(tmp_path, tiny):
+    """`rtp serve DIR` on a Hugging Face folder (what `rtp export --format hf` writes, or
+    a downloaded checkpoint): the official `openai` client chats with it, then Ctrl-C."""
+    import openai
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_platform", "serve", f"tiny={tiny['model']}",
+                             "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
+    try:
+        _wait_for_line(proc, "serving", 180)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        chat = client.chat.completions.create(model="tiny", max_tokens=8, temperature=0,
+                                              messages=[{"role": "user", "content": "What is a list?"}])
+        assert chat.usage.completion_tokens >= 1 and chat.choices[0].message.role == "assistant"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="nope", prompt="x", max_tokens=2)
+        proc.send_signal(signal.SIGINT)
+        _wait_for_line(proc, "stopped", 90)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -104,8 +104,7 @@ def nan_mlp(input_dim: int = 16, num_outputs: int = 4, nan_from: int = 5, nan_un
 
 
 class TiedEmbeddingMLP(nn.Module):
-    """Input and output layers share one weight (tied): safetensors refuses to save
-    shared tensors, so its checkpoint save fails."""
+    """Two layers share one weight (tied, as an LM head and its embedding often are)."""
 
     def __init__(self, input_dim: int, num_outputs: int):
         super().__init__()
@@ -120,6 +119,18 @@ class TiedEmbeddingMLP(nn.Module):
 
 def tied_mlp(input_dim: int = 16, num_outputs: int = 4):
     return TiedEmbeddingMLP(input_dim, num_outputs)
+
+
+def failing_save_mlp(input_dim: int = 16, num_outputs: int = 4):
+    """An MLP whose state cannot be read once it has trained: a checkpoint save fails
+    (as a full disk or a lost bucket would), with an OSError."""
+    model = NanMLP(input_dim, num_outputs, nan_from=10**9, nan_until=None)
+
+    def fail(module, state_dict, prefix, local_metadata):
+        if module.calls > 0:
+            raise OSError("checkpoint write failed: no space left on device (injected)")
+    model._register_state_dict_hook(fail)
+    return model
 
 
 def failing_mlp(input_dim: int = 16, num_outputs: int = 4, fail_at: int = 2):

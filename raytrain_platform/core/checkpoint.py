@@ -98,8 +98,15 @@ def write_weights(path: str | os.PathLike, model: torch.nn.Module, **metadata: s
 
 
 def write_state(path: str | os.PathLike, state: dict[str, torch.Tensor], **metadata: str) -> None:
-    """A full state dict as safetensors."""
-    weights = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    """A full state dict as safetensors. Tied weights (an LM head sharing the embedding,
+    as in Llama 3.2 1B) are stored under each name: safetensors refuses shared memory,
+    and loading copies the same values into the one shared parameter."""
+    weights, seen = {}, set()
+    for k, v in state.items():
+        t = v.detach().contiguous().cpu()
+        ptr = t.untyped_storage().data_ptr()
+        weights[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
     save_file(weights, str(path), metadata={"format": "raytrain_platform", **metadata})
 
 
