@@ -92,6 +92,7 @@ def test_gpu_train_hf_smoke(tmp_path):
     assert run["flops_params"] == run["n_params"] - run["vocab_size"] * run["hidden_size"], run
 
 
+@pytest.mark.extended  # a benchmark's whole pipeline (Ray, torchrun and accelerate launch): ~1.5 min
 def test_vs_accelerate_smoke(tmp_path):
     """The fine-tune through the platform (Ray Train; the torchrun core) and as a plain
     `accelerate launch`ed script, tiny, at 2 processes (DDP on gloo), one repeat. Same

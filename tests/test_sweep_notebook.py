@@ -8,7 +8,9 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# The notebook runs a whole sweep (~75 s on 2 cores); rtp sweep itself is tested by default
+# in test_sweep.py, so this example runs with the extended tests (pytest -m extended).
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(600)]
 
 
 def test_sweep_notebook_runs_and_shows_table_and_plot(tmp_path):
