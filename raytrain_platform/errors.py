@@ -116,18 +116,19 @@ def user_cause(exc: BaseException) -> UserError | None:
     part.parquet: row group 0 has NaN or infinite features
     """
     found = [(depth, e) for depth, e in _walk(exc) if isinstance(e, UserError)]
-    if found:
-        deepest = max(depth for depth, _ in found)
-        return next(e for depth, e in found if depth == deepest)
-    return _from_text(exc)
+    return _deepest(found) if found else _from_text(exc)
 
 
 def root_cause(exc: BaseException) -> BaseException:
     """The innermost exception in `exc`'s chain: what went wrong, under Ray's wrappers
     (the first failing worker by rank when several failed)."""
-    order = _walk(exc)
-    deepest = max(depth for depth, _ in order)
-    return next(e for depth, e in order if depth == deepest)
+    return _deepest(_walk(exc))
+
+
+def _deepest(found: list[tuple[int, BaseException]]) -> BaseException:
+    """The first of the deepest exceptions in `_walk`'s (depth, exception) order."""
+    deepest = max(depth for depth, _ in found)
+    return next(e for depth, e in found if depth == deepest)
 
 
 def _message_line(exc: BaseException) -> str:

@@ -155,3 +155,19 @@ def ray_cluster():
              runtime_env={"env_vars": {**JOB_ENV, "PYTHONPATH": paths}})
     yield
     ray.shutdown()
+
+
+class LayoutRuns:
+    """Each layout's run under torchrun (no Ray), trained when a test first asks for it.
+    `layouts` maps a name to (processes, config sections); "one" is one process as
+    configured. `config(root, name, **sections)` builds the job config."""
+
+    def __init__(self, root: Path, layouts: dict, config):
+        self.root, self.layouts, self.config, self._done = root, layouts, config, {}
+
+    def __getitem__(self, name: str) -> list[dict]:
+        if name not in self._done:
+            nproc, sections = (1, {}) if name == "one" else self.layouts[name]
+            cfg = self.config(self.root, name, **sections)
+            self._done[name] = torchrun_metrics(cfg, self.root / f"{name}.yaml", nproc, timeout=300)
+        return self._done[name]

@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, assert_losses_close, hf_config, torchrun_metrics
+from conftest import ROOT, LayoutRuns, assert_losses_close, hf_config, torchrun_metrics
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(600)
@@ -142,24 +142,11 @@ LAYOUTS = {
 }
 
 
-class Runs:
-    """Each layout's 10 steps under torchrun, trained when a test first asks for it."""
-
-    def __init__(self, root: Path, model_dir: Path):
-        self.root, self.model_dir, self._done = root, model_dir, {}
-
-    def __getitem__(self, name: str) -> list[dict]:
-        if name not in self._done:
-            nproc, sections = (1, {}) if name == "one" else LAYOUTS[name]
-            data = {**hf_config(self.root, name, self.model_dir)["data"], **sections.get("data", {})}
-            cfg = hf_config(self.root, name, self.model_dir, **{**sections, "data": data})
-            self._done[name] = torchrun_metrics(cfg, self.root / f"{name}.yaml", nproc, timeout=300)
-        return self._done[name]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny) -> Runs:
-    return Runs(tmp_path_factory.mktemp("hf_runs"), tiny["model"])
+def runs(tmp_path_factory, tiny) -> LayoutRuns:
+    """Each layout's 10 steps, from the same pretrained tiny Llama."""
+    return LayoutRuns(tmp_path_factory.mktemp("hf_runs"), LAYOUTS,
+                      lambda root, name, **sections: hf_config(root, name, tiny["model"], **sections))
 
 
 # The 4-process TP x FSDP and the FSDP + activation-checkpointing layouts run with the

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, assert_losses_close, hf_config, torchrun_metrics
+from conftest import ROOT, LayoutRuns, assert_losses_close, hf_config, torchrun_metrics
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(600)
@@ -166,25 +166,11 @@ LAYOUTS = {
 _EXTENDED = {"ddp2", "fsdp2_accum"}
 
 
-class Runs:
-    """Each layout's 10 LoRA steps under torchrun, trained when a test first asks for it."""
-
-    def __init__(self, root: Path, model_dir: Path):
-        self.root, self.model_dir, self._done = root, model_dir, {}
-
-    def __getitem__(self, name: str) -> list[dict]:
-        if name not in self._done:
-            nproc, sections = (1, {}) if name == "one" else LAYOUTS[name]
-            base = lora_config(self.root, name, self.model_dir)
-            merged = {k: {**base[k], **v} for k, v in sections.items()}
-            cfg = lora_config(self.root, name, self.model_dir, **merged)
-            self._done[name] = torchrun_metrics(cfg, self.root / f"{name}.yaml", nproc, timeout=300)
-        return self._done[name]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny) -> Runs:
-    return Runs(tmp_path_factory.mktemp("lora_runs"), tiny["model"])
+def runs(tmp_path_factory, tiny) -> LayoutRuns:
+    """Each layout's 10 LoRA steps, from the same pretrained tiny Llama."""
+    return LayoutRuns(tmp_path_factory.mktemp("lora_runs"), LAYOUTS,
+                      lambda root, name, **sections: lora_config(root, name, tiny["model"], **sections))
 
 
 def _losses(rows: list[dict]) -> list[float]:
