@@ -2,7 +2,7 @@
 (`accelerate launch`), at 1 and 2 processes: tokens/s, medians of interleaved repeats.
 
     pip install -e '.[bench]'                            # accelerate
-    python benchmarks/vs_accelerate.py                   # ~8 min on 2 quiet CPU cores
+    python benchmarks/vs_accelerate.py                   # ~15 min on 2 quiet CPU cores
     python benchmarks/vs_accelerate.py --smoke           # tiny, 2 processes, 1 repeat, writes nothing (a test)
 
 The job: a Llama-style model from `raytrain_platform.tools.tiny_llm` (4 layers, d 256,
@@ -10,7 +10,7 @@ The job: a Llama-style model from `raytrain_platform.tools.tiny_llm` (4 layers, 
 safetensors and loaded from them by every side), chat JSONL of 2000 stdlib docstring
 Q/A pairs, packed into windows of 256 + 1 tokens, loss on the assistant turns,
 micro-batch 8 per process, AdamW (lr 1e-3 constant, betas 0.9/0.95, weight decay 0.1
-on matrices), grad clip 1.0, fp32, one torch thread per process, 24 steps.
+on matrices), grad clip 1.0, fp32, one torch thread per process, 40 steps.
 
 Sides, each at 1 and 2 processes (2: DDP on gloo, 127.0.0.1 only):
 
@@ -36,7 +36,9 @@ Accelerate. Repeats are interleaved, the order turned by one side each repeat, w
 none always follows a Ray run's teardown). Every side deals micro-batch ``j`` to rank
 ``j % processes`` from the same weights, so the global batches, and the losses, are the
 same at every step (``loss_max_abs_diff``: the platform's minus Accelerate's, 1st repeat).
-Results go to ``benchmarks/vs_accelerate.json`` with the date and load average.
+``wall_s`` is each side's whole run as a user waits for it (start-up, loading, steps,
+shutdown): Ray's start-up is there, not in tokens/s. Results go to
+``benchmarks/vs_accelerate.json`` with the date and load average.
 """
 
 from __future__ import annotations
@@ -59,16 +61,22 @@ from common import ROOT, free_port, interleaved, load_avg, stamp, torchrun_core 
 
 BENCH = ROOT / "benchmarks"
 ACCELERATE_SCRIPT = BENCH / "_accelerate_finetune.py"
-WARMUP = 3  # steps left out of the medians (first batches, allocator, DDP buckets)
 LR, BETAS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 0.1
 # tiny_llm model shape and data, the job, interleaved repeats, process counts, and a pause
 # before each side (a Ray run's workers take a few seconds to exit)
 SIZES = {
-    "full": {"hidden": 256, "layers": 4, "samples": 2000, "seq_len": 256, "batch": 8, "steps": 24, "repeats": 2,
+    # warmup: steps left out of the medians (a Ray run's first step waits for Ray Data's
+    # tokenizing task; allocator, DDP buckets). Start-up is reported apart, as each side's
+    # wall time (`wall_s`). 40 steps and 3 repeats: this VM's speed drifts by up to 2x
+    # over seconds (a 1-thread matmul loop, nothing else running), so short runs and few
+    # repeats measure the drift.
+    "full": {"hidden": 256, "layers": 4, "samples": 2000, "seq_len": 256, "batch": 8, "steps": 40, "warmup": 3,
+             "repeats": 3,
              "processes": [1, 2], "settle_s": 5.0},
     # Smoke: 2 processes only (DDP, gloo, accelerate's torchrun path): each Ray Train run
     # costs ~15 s of start-up here whatever its steps.
-    "smoke": {"hidden": 64, "layers": 2, "samples": 300, "seq_len": 32, "batch": 4, "steps": 6, "repeats": 1,
+    "smoke": {"hidden": 64, "layers": 2, "samples": 300, "seq_len": 32, "batch": 4, "steps": 6, "warmup": 3,
+              "repeats": 1,
               "processes": [2], "settle_s": 0.0},
 }
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -103,7 +111,7 @@ def platform_config(llm: Path, processes: int, size: dict, storage: Path, name: 
 def _platform_figures(rows: list[dict], processes: int, size: dict) -> dict:
     if len(rows) != size["steps"]:
         raise RuntimeError(f"expected {size['steps']} metrics rows, got {len(rows)}")
-    timed = rows[WARMUP:]
+    timed = rows[size["warmup"]:]
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "step_s": statistics.median(r["step_time_s"] for r in timed),
             "data_wait_frac": statistics.median(r["data_wait_frac"] for r in timed),
@@ -175,7 +183,7 @@ def accelerate_run(llm: Path, processes: int, size: dict, work: Path, name: str)
     if got["processes"] != processes or (processes > 1 and got["backend"] != "gloo"):
         raise RuntimeError(f"{name}: asked for {processes} processes on gloo, the script ran "
                            f"{got['processes']} ({got['distributed_type']}, backend {got['backend']})")
-    step_s = statistics.median(got["step_s"][WARMUP:])
+    step_s = statistics.median(got["step_s"][size["warmup"]:])
     return {"tokens_per_s": got["tokens_per_step"] / step_s, "step_s": step_s,
             "tokens_per_step": got["tokens_per_step"], "losses": got["losses"],
             "backend": got["backend"], "torch_threads": got["torch_threads"]}
@@ -204,8 +212,12 @@ def _settled(side: Callable[[str], dict], i: int, settle_s: float) -> dict:
     for attempt in (1, 2):
         time.sleep(settle_s)
         try:
-            # The machine's load as the run ended: other jobs share it.
-            return {**side(f"{i}_{attempt}"), "attempts": attempt, "load_avg_1m": round(load_avg(), 1)}
+            # The machine's load as the run ended: other jobs share it. wall_s: the whole
+            # run as a user waits for it (start-up, loading, every step, shutdown).
+            t0 = time.perf_counter()
+            got = side(f"{i}_{attempt}")
+            return {**got, "wall_s": round(time.perf_counter() - t0, 1), "attempts": attempt,
+                    "load_avg_1m": round(load_avg(), 1)}
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             if attempt == 2:
                 raise
@@ -233,6 +245,7 @@ def summarize(runs: dict[str, list[dict]], processes: list[int], size: dict) -> 
             **{f"{side}_tokens_per_s": round(v, 1) for side, v in tps.items()},
             **{f"{side}_step_s": round(statistics.median(r["step_s"] for r in rs), 4) for side, rs in got.items()},
             **{f"{side}_tokens_per_s_repeats": [round(r["tokens_per_s"], 1) for r in rs] for side, rs in got.items()},
+            **{f"{side}_wall_s": round(statistics.median(r["wall_s"] for r in rs), 1) for side, rs in got.items()},
             "ray_data_wait_frac": round(statistics.median(r["data_wait_frac"] for r in got["ray"]), 4),
             "ratio_ray": round(tps["ray"] / tps["accelerate"], 3),
             "ratio_torchrun": round(tps["torchrun"] / tps["accelerate"], 3),
@@ -272,7 +285,7 @@ def _result(runs: dict[str, list[dict]], processes: list[int], size: dict, done:
     import transformers
 
     loads = [r["load_avg_1m"] for rs in runs.values() for r in rs]
-    return {**stamp(), "repeats": done, "complete": done == repeats, "warmup_steps": WARMUP,
+    return {**stamp(), "repeats": done, "complete": done == repeats, "warmup_steps": size["warmup"],
             "load_avg_1m_runs": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
             **{k: size[k] for k in ("steps", "seq_len", "batch")},
             "model": f"tiny_llm llama, {size['layers']} layers x d {size['hidden']}, 4 heads / 2 KV heads, "
@@ -287,19 +300,21 @@ def _result(runs: dict[str, list[dict]], processes: list[int], size: dict, done:
 
 def table(result: dict) -> str:
     lines = [("| processes | platform (Ray) tokens/s | platform (torchrun) tokens/s | Accelerate tokens/s | "
-              "ratio Ray / Accelerate | ratio torchrun / Accelerate | loss diff (Ray, torchrun) |"),
-             "|---:|---:|---:|---:|---:|---:|---|"]
+              "ratio Ray / Accelerate | ratio torchrun / Accelerate | loss diff (Ray, torchrun) | "
+              "wall s (Ray, torchrun, Accelerate) |"),
+             "|---:|---:|---:|---:|---:|---:|---|---|"]
     for n, e in result["processes"].items():
         lines.append(f"| {n} | {e['ray_tokens_per_s']:,.0f} | {e['torchrun_tokens_per_s']:,.0f} | "
                      f"{e['accelerate_tokens_per_s']:,.0f} | {e['ratio_ray']:.3f} | {e['ratio_torchrun']:.3f} | "
-                     f"{e['loss_max_abs_diff_ray']:.1e}, {e['loss_max_abs_diff_torchrun']:.1e} |")
+                     f"{e['loss_max_abs_diff_ray']:.1e}, {e['loss_max_abs_diff_torchrun']:.1e} | "
+                     f"{e['ray_wall_s']:.0f}, {e['torchrun_wall_s']:.0f}, {e['accelerate_wall_s']:.0f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model, a few steps, 1 repeat; writes only to --out")
-    p.add_argument("--repeats", type=int, help="interleaved repeats of every side (default 2; smoke 1)")
+    p.add_argument("--repeats", type=int, help="interleaved repeats of every side (default 3; smoke 1)")
     p.add_argument("--processes", help="comma-separated process counts (default 1,2; with --smoke: 2)")
     p.add_argument("--out", type=Path, help="the JSON result (default benchmarks/vs_accelerate.json; "
                                             "with --smoke, none)")

@@ -12,37 +12,83 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
 
-def mlp_config(tmp: Path, name: str, **sections) -> dict:
-    cfg = {
-        "model": {"name": "mlp", "kwargs": {"hidden_sizes": [32]}},
-        "data": {"source": "synthetic", "batch_size": 8, "num_samples": 1024, "val_fraction": 0.1},
-        "train": {"max_steps": 10, "lr": 0.05, "optimizer": "sgd", "grad_clip": 0.0, "seed": 3},
+def job_config(tmp: Path, name: str, own: dict, **sections) -> dict:
+    """A small job config every module's builder starts from: one process on half a CPU
+    with one torch thread, evaluations and checkpoints every 5 steps; `own` (the
+    builder's model, data, train and any run keys) then `sections` (a test's changes)
+    update it section by section, key by key."""
+    cfg: dict = {
         "parallel": {"strategy": "none"},
         "scaling": {"num_workers": 1, "cpus_per_worker": 0.5, "torch_threads": 1},
         "run": {"name": name, "storage_path": str(tmp), "checkpoint_every": 5, "eval_every": 5,
                 "eval_batches": 2},
     }
-    for section, values in sections.items():
-        cfg[section] = {**cfg[section], **values}
+    for changes in (own, sections):
+        for section, values in changes.items():
+            cfg[section] = {**cfg.get(section, {}), **values}
     return cfg
+
+
+# The transformer jobs' optimizer: 10 steps of AdamW with warm-up and clipping.
+LM_TRAIN = {"max_steps": 10, "lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0, "seed": 0}
+
+
+def mlp_config(tmp: Path, name: str, **sections) -> dict:
+    return job_config(tmp, name, dict(
+        model={"name": "mlp", "kwargs": {"hidden_sizes": [32]}},
+        data={"source": "synthetic", "batch_size": 8, "num_samples": 1024, "val_fraction": 0.1},
+        train={"max_steps": 10, "lr": 0.05, "optimizer": "sgd", "grad_clip": 0.0, "seed": 3}), **sections)
 
 
 def hf_config(tmp: Path, name: str, model_dir: Path, **sections) -> dict:
     """A 10-step job on the hf model in `model_dir` (synthetic tokens), one process;
     `sections` update the config's sections key by key."""
-    cfg = {
-        "model": {"name": "hf", "kwargs": {"path": str(model_dir)}},
-        "data": {"source": "synthetic", "batch_size": 8, "num_samples": 1024, "seq_len": 32,
-                 "val_fraction": 0.05},
-        "train": {"max_steps": 10, "lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0, "seed": 0},
-        "parallel": {"strategy": "none"},
-        "scaling": {"num_workers": 1, "cpus_per_worker": 0.5, "torch_threads": 1},
-        "run": {"name": name, "storage_path": str(tmp), "checkpoint_every": 5, "eval_every": 5,
-                "eval_batches": 2, "keep_checkpoints": 4},
-    }
-    for section, values in sections.items():
-        cfg[section] = {**cfg[section], **values}
-    return cfg
+    return job_config(tmp, name, dict(
+        model={"name": "hf", "kwargs": {"path": str(model_dir)}},
+        data={"source": "synthetic", "batch_size": 8, "num_samples": 1024, "seq_len": 32,
+              "val_fraction": 0.05},
+        train=dict(LM_TRAIN), run={"keep_checkpoints": 4}), **sections)
+
+
+def train_in_process(root: Path, cfg: dict) -> Path:
+    """Train `cfg` with the Ray-free core in this process (no Ray: about a second for a
+    small model); its YAML goes beside `root`. Returns the run directory."""
+    import yaml
+
+    from raytrain_platform.core.__main__ import main as core_main
+
+    path = root.parent / f"{cfg['run']['name']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    assert core_main(["--config", str(path)]) == 0
+    return root / cfg["run"]["name"]
+
+
+def load_test(total: int, clients: int, one_request) -> tuple[list[str], float]:
+    """`total` requests from `clients` threads, thread k sending requests k, k + clients,
+    ...; `one_request(i)` returns None when request i was answered right, else what was
+    wrong (an exception counts as wrong, with its text). Returns the failures (all of
+    them: a load test reports every error, not the first) and the seconds taken."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        for i in range(k, total, clients):
+            try:
+                wrong = one_request(i)
+            except Exception as exc:  # noqa: BLE001 - counted, not raised
+                wrong = f"{type(exc).__name__}: {exc}"
+            if wrong is not None:
+                with lock:
+                    failures.append(wrong[:200])
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    return failures, time.monotonic() - start
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, assert_losses_close, torchrun_metrics
+from conftest import LM_TRAIN, ROOT, assert_losses_close, job_config, torchrun_metrics
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # user_models, as model.name "user_models:..."
@@ -28,19 +28,10 @@ RTOL = 1e-5
 
 
 def llama_config(tmp: Path, name: str, **sections) -> dict:
-    cfg = {
-        "model": {"name": "user_models:tiny_llama", "task": "lm", "kwargs": {}},
-        "data": {"source": "text", "batch_size": 4, "seq_len": 32, "max_files": 12,
-                 "val_fraction": 0.05},
-        "train": {"max_steps": 10, "lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0, "seed": 0},
-        "parallel": {"strategy": "none"},
-        "scaling": {"num_workers": 1, "cpus_per_worker": 0.5, "torch_threads": 1},
-        "run": {"name": name, "storage_path": str(tmp), "checkpoint_every": 10, "eval_every": 10,
-                "eval_batches": 2},
-    }
-    for section, values in sections.items():
-        cfg[section] = {**cfg[section], **values}
-    return cfg
+    return job_config(tmp, name, dict(
+        model={"name": "user_models:tiny_llama", "task": "lm", "kwargs": {}},
+        data={"source": "text", "batch_size": 4, "seq_len": 32, "max_files": 12, "val_fraction": 0.05},
+        train=dict(LM_TRAIN), run={"checkpoint_every": 10, "eval_every": 10}), **sections)
 
 
 # ---------------------------------------------------------------- pure

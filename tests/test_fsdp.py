@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, torchrun_metrics
+from conftest import LM_TRAIN, ROOT, job_config, torchrun_metrics
 
 N_LAYER = 2
 # fp32 everywhere. On gloo, FSDP's reduce-scatter and DDP's all-reduce add the same
@@ -28,20 +28,11 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def gpt_config(tmp: Path, name: str, **sections) -> dict:
-    cfg = {
-        "model": {"name": "gpt", "kwargs": {"n_layer": N_LAYER, "n_head": 2, "n_embd": 32,
+    return job_config(tmp, name, dict(
+        model={"name": "gpt", "kwargs": {"n_layer": N_LAYER, "n_head": 2, "n_embd": 32,
                                             "block_size": 16}},
-        "data": {"source": "synthetic", "batch_size": 8, "num_samples": 2048, "val_fraction": 0.05},
-        "train": {"max_steps": 10, "lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0, "seed": 0,
-                  "weight_decay": 0.1},
-        "parallel": {"strategy": "none"},
-        "scaling": {"num_workers": 1, "cpus_per_worker": 0.5, "torch_threads": 1},
-        "run": {"name": name, "storage_path": str(tmp), "checkpoint_every": 5, "eval_every": 5,
-                "eval_batches": 2, "keep_checkpoints": 4},
-    }
-    for section, values in sections.items():
-        cfg[section] = {**cfg[section], **values}
-    return cfg
+        data={"source": "synthetic", "batch_size": 8, "num_samples": 2048, "val_fraction": 0.05},
+        train={**LM_TRAIN, "weight_decay": 0.1}, run={"keep_checkpoints": 4}), **sections)
 
 
 def torchrun(tmp: Path, name: str, nproc: int, **sections) -> list[dict]:

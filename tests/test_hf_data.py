@@ -29,7 +29,7 @@ import yaml  # noqa: E402
 
 pytest.importorskip("transformers")
 
-from conftest import ROOT, assert_losses_close, torchrun_metrics  # noqa: E402
+from conftest import LM_TRAIN, ROOT, assert_losses_close, job_config, torchrun_metrics  # noqa: E402
 from raytrain_platform.config import load_config  # noqa: E402
 from raytrain_platform.data import sources  # noqa: E402
 from raytrain_platform.data.local import LocalBatches  # noqa: E402
@@ -62,21 +62,12 @@ def tok(tiny):
 
 def hf_config(tmp: Path, name: str, tiny: dict, **sections) -> dict:
     """The tiny Llama (user builder, 512-token vocabulary) on chat JSONL, 64-token context."""
-    cfg = {
-        "model": {"name": "user_models:tiny_llama", "task": "lm",
-                  "kwargs": {"vocab_size": 512, "max_positions": 64}},
-        "data": {"source": "jsonl", "path": str(tiny["chat"]), "format": "chat",
-                 "tokenizer": str(tiny["tokenizer"]), "batch_size": 4, "seq_len": 64,
-                 "val_fraction": 0.1},
-        "train": {"max_steps": 8, "lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0, "seed": 0},
-        "parallel": {"strategy": "none"},
-        "scaling": {"num_workers": 1, "cpus_per_worker": 0.5, "torch_threads": 1},
-        "run": {"name": name, "storage_path": str(tmp), "checkpoint_every": 8, "eval_every": 8,
-                "eval_batches": 2},
-    }
-    for section, values in sections.items():
-        cfg[section] = {**cfg[section], **values}
-    return cfg
+    return job_config(tmp, name, dict(
+        model={"name": "user_models:tiny_llama", "task": "lm",
+                          "kwargs": {"vocab_size": 512, "max_positions": 64}},
+        data={"source": "jsonl", "path": str(tiny["chat"]), "format": "chat",
+              "tokenizer": str(tiny["tokenizer"]), "batch_size": 4, "seq_len": 64, "val_fraction": 0.1},
+        train={**LM_TRAIN, "max_steps": 8}, run={"checkpoint_every": 8, "eval_every": 8}), **sections)
 
 
 def split_rows(spec: sources.SourceSpec, split: str) -> dict[str, np.ndarray]:

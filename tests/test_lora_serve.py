@@ -12,23 +12,17 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-import yaml
-from conftest import free_port, mlp_config
+from conftest import free_port, mlp_config, train_in_process
 
 GPT = {"name": "gpt", "kwargs": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16}}
 
 
 def _train(root: Path, name: str, *, seed: int, lr: float, targets: list[str]) -> Path:
-    from raytrain_platform.core.__main__ import main as core_main
-
-    cfg = mlp_config(root, name, model={**GPT, "lora": {"r": 4, "target_modules": targets}},
-                     data={"source": "synthetic", "batch_size": 4, "num_samples": 256},
-                     train={"max_steps": 3, "lr": lr, "optimizer": "adamw", "seed": seed},
-                     run={"checkpoint_every": 0, "eval_every": 0, "eval_batches": 1})
-    path = root.parent / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    assert core_main(["--config", str(path)]) == 0
-    return root / name
+    return train_in_process(root, mlp_config(
+        root, name, model={**GPT, "lora": {"r": 4, "target_modules": targets}},
+        data={"source": "synthetic", "batch_size": 4, "num_samples": 256},
+        train={"max_steps": 3, "lr": lr, "optimizer": "adamw", "seed": seed},
+        run={"checkpoint_every": 0, "eval_every": 0, "eval_batches": 1}))
 
 
 @pytest.fixture(scope="module")

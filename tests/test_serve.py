@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import pickle
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import requests
 import torch
 import yaml
 
-from conftest import free_port, mlp_config
+from conftest import free_port, load_test, mlp_config, train_in_process
 from raytrain_platform.cli import main as rtp
 from raytrain_platform.errors import CheckpointError, ConfigError
 from raytrain_platform.export import load_model_for_inference
@@ -35,16 +34,11 @@ LIMITS = {"max_batch_rows": 64, "max_prompt_bytes": 256, "max_new_tokens": 24, "
 
 def _train(tmp: Path, name: str, **sections) -> Path:
     """A 2-step run with the Ray-free core, in this process (about a second)."""
-    from raytrain_platform.core.__main__ import main as core_main
-
     cfg = mlp_config(tmp, name, train={"max_steps": 2},
                      run={"checkpoint_every": 0, "eval_every": 0, "eval_batches": 1})
     for section, values in sections.items():
         cfg[section] = {**cfg[section], **values}
-    path = tmp.parent / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    assert core_main(["--config", str(path)]) == 0
-    return tmp / name
+    return train_in_process(tmp, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -397,23 +391,16 @@ def test_requests_that_wait_during_a_compute_share_the_next_one(served):
 
 def test_load_2000_requests_from_32_clients_without_errors(served):
     total, clients = 2000, 32
-    failures: list[str] = []
-    lock = threading.Lock()
+    sessions = threading.local()  # one keep-alive connection per client thread
 
-    def client(k: int) -> int:
-        session, done = requests.Session(), 0
-        for i in range(k, total, clients):
-            body = {"rows": _rows(1 + i % 4, seed=i), "model": "clf" if i % 2 else "reg"}
-            r = session.post(served + "/v1/predict", json=body, timeout=60)
-            if r.status_code != 200 or len(r.json()["predictions"]) != 1 + i % 4:
-                with lock:
-                    failures.append(f"{r.status_code} {r.text[:200]}")
-            done += 1
-        return done
+    def one_request(i: int) -> str | None:
+        if not hasattr(sessions, "s"):
+            sessions.s = requests.Session()
+        body = {"rows": _rows(1 + i % 4, seed=i), "model": "clf" if i % 2 else "reg"}
+        r = sessions.s.post(served + "/v1/predict", json=body, timeout=60)
+        ok = r.status_code == 200 and len(r.json()["predictions"]) == 1 + i % 4
+        return None if ok else f"{r.status_code} {r.text[:200]}"
 
-    start = time.monotonic()
-    with ThreadPoolExecutor(clients) as pool:
-        done = sum(pool.map(client, range(clients)))
-    elapsed = time.monotonic() - start
-    print(f"load: {done} requests from {clients} clients in {elapsed:.1f} s ({done / elapsed:.0f} req/s)")
-    assert done == total and not failures, failures[:3]
+    failures, elapsed = load_test(total, clients, one_request)
+    print(f"load: {total} requests from {clients} clients in {elapsed:.1f} s ({total / elapsed:.0f} req/s)")
+    assert not failures, (len(failures), failures[:3])

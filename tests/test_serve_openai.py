@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import pytest
 import requests
 import torch
 import yaml
-from conftest import free_port, hf_config
+from conftest import free_port, hf_config, load_test, train_in_process
 from test_serve import GPT_KWARGS, _train
 
 from raytrain_platform.cli import main as rtp
@@ -35,19 +33,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 LIMITS = {"max_models_per_replica": 2, "max_batch_size": 32, "max_new_tokens": 64, "cpus_per_replica": 1}
 
 
-def _core_run(root: Path, name: str, cfg: dict) -> Path:
-    """Train `cfg` with the Ray-free core in this process; returns the run directory."""
-    from raytrain_platform.core.__main__ import main as core_main
-
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    assert core_main(["--config", str(path)]) == 0
-    return root / name
-
-
 def _hf_run(root: Path, name: str, model_dir: Path, lr: float) -> Path:
-    return _core_run(root, name, hf_config(root, name, model_dir, train={"max_steps": 2, "lr": lr, "warmup_steps": 0},
-                                           run={"checkpoint_every": 0, "eval_every": 0, "eval_batches": 1}))
+    return train_in_process(root, hf_config(
+        root, name, model_dir, train={"max_steps": 2, "lr": lr, "warmup_steps": 0},
+        run={"checkpoint_every": 0, "eval_every": 0, "eval_batches": 1}))
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +50,12 @@ def models(tmp_path_factory, tiny) -> dict[str, Path]:
     sweep.mkdir()
     a = _hf_run(sweep, "a", tiny["model"], lr=3e-3)
     _hf_run(sweep, "b", tiny["model"], lr=1e-2)
-    for config in sweep.glob("*.yaml"):
-        config.rename(root / config.name)  # the sweep folder holds run directories only
+    assert not list(sweep.glob("*.yaml"))  # the sweep folder holds run directories only
     exported = export_checkpoint(a, root / "a_hf", format="hf")
     others = root / "others"
     gpt = _train(others, "gpt", model={"name": "gpt", "kwargs": GPT_KWARGS},
                  data={"source": "synthetic", "batch_size": 4, "num_samples": 256})
-    user = _core_run(others, "user", {**hf_config(others, "user", tiny["model"]),
+    user = train_in_process(others, {**hf_config(others, "user", tiny["model"]),
                                       "model": {"name": "user_models:tiny_llama", "task": "lm",
                                                 "kwargs": {"max_positions": 64}},
                                       "train": {"max_steps": 2, "lr": 3e-3, "seed": 0},
@@ -387,29 +375,16 @@ def _decode_stats(served: str) -> dict:
 
 def test_load_1000_requests_from_32_clients_without_errors_sharing_decode_steps(client, served):
     total, clients = 1000, 32
-    failures: list[str] = []
-    lock = threading.Lock()
     before = _decode_stats(served)
 
-    def one_client(k: int) -> int:
-        done = 0
-        for i in range(k, total, clients):
-            try:
-                r = client.completions.create(model="tiny", prompt=f"def f{i}(x):", max_tokens=4, seed=i)
-                assert r.usage.completion_tokens >= 1
-            except Exception as exc:  # counted, not raised: the test reports them all
-                with lock:
-                    failures.append(f"{type(exc).__name__}: {exc}"[:200])
-            done += 1
-        return done
+    def one_request(i: int) -> str | None:
+        r = client.completions.create(model="tiny", prompt=f"def f{i}(x):", max_tokens=4, seed=i)
+        return None if r.usage.completion_tokens >= 1 else f"request {i}: no completion tokens"
 
-    start = time.monotonic()
-    with ThreadPoolExecutor(clients) as pool:
-        done = sum(pool.map(one_client, range(clients)))
-    elapsed = time.monotonic() - start
+    failures, elapsed = load_test(total, clients, one_request)
     after = _decode_stats(served)
     steps, rows = after["calls"] - before["calls"], after["requests"] - before["requests"]
-    print(f"load: {done} requests from {clients} clients in {elapsed:.1f} s ({done / elapsed:.0f} req/s); "
+    print(f"load: {total} requests from {clients} clients in {elapsed:.1f} s ({total / elapsed:.0f} req/s); "
           f"{rows / max(steps, 1):.1f} rows per forward step, largest {after['largest']}")
-    assert done == total and not failures, failures[:3]
+    assert not failures, (len(failures), failures[:3])
     assert rows / steps >= 3, (steps, rows)  # concurrent requests share forwards (5.6 measured)

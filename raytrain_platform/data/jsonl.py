@@ -243,7 +243,8 @@ def _assistant_spans(tok: Any, messages: list[dict], full: str) -> list[tuple[in
         if m["role"] != "assistant":
             continue
         before = _render(tok, messages[:i], generation_prompt=True)
-        upto = _render(tok, messages[: i + 1])
+        # The last turn's prefix is the whole conversation (one render fewer per record).
+        upto = full if i == len(messages) - 1 else _render(tok, messages[: i + 1])
         if not (upto.startswith(before) and full.startswith(upto)):
             raise DataError(f"the chat template does not render message {i} as a prefix of the "
                             "conversation, so the assistant tokens cannot be located")
