@@ -511,7 +511,10 @@ class JobConfig:
             f"{t.max_steps} steps" if t.max_steps else "", f"{t.epochs} epochs" if t.epochs else "") if x)
         global_batch = (t.global_batch_size if d.batch_size == "auto"
                         else d.batch_size * t.grad_accum_steps * ParallelDims.from_config(self).dp)
-        return (f"run '{self.run.name}': model {self.model.name} ({self.model.task}) on {d.source} data; "
+        lora = self.model.lora
+        adapters = (f" with LoRA r {lora['r']} on {', '.join(lora['target_modules'])} (only the adapters train)"
+                    if lora else "")
+        return (f"run '{self.run.name}': model {self.model.name} ({self.model.task}){adapters} on {d.source} data; "
                 f"{self.parallel.strategy} x {s.num_workers} worker(s) "
                 f"{f'(elastic, from {s.min_workers}) ' if s.elastic else ''}"
                 f"({'GPU' if s.use_gpu else 'CPU'}); micro-batch {d.batch_size} x accum "

@@ -105,7 +105,7 @@ def _validate(cfg: dict, tmp: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
-def test_cli_exit_2_for_a_target_that_matches_nothing_and_lora_with_tp_refused(tmp_path, tiny):
+def test_cli_names_lora_in_the_summary_and_exits_2_for_a_bad_target_or_lora_with_tp(tmp_path, tiny):
     from raytrain_platform.config import load_config
     from raytrain_platform.errors import ConfigError
 
@@ -115,6 +115,10 @@ def test_cli_exit_2_for_a_target_that_matches_nothing_and_lora_with_tp_refused(t
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("error: model.lora.target_modules = 'wq': expected names of Linear modules"), lines
+    ok = _validate(lora_config(tmp_path, "ok", tiny["model"]), tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert ("model hf (lm) with LoRA r 4 on q_proj, v_proj, down_proj (only the adapters train) on synthetic "
+            "data;") in ok.stdout, ok.stdout
     tp = lora_config(tmp_path, "t", tiny["model"], parallel={"tp_size": 2}, scaling={"num_workers": 2})
     with pytest.raises(ConfigError, match=r"^parallel.tp_size = 2: expected 1 with model.lora \(LoRA adapters have "
                                           r"no tensor-parallel or pipeline plan: use fsdp or ddp\)$"):
