@@ -90,6 +90,7 @@ def test_a_setting_that_does_not_go_with_the_plans_choice_says_what_auto_became(
     assert "the auto fields became parallel.strategy ddp" in msg and "set them explicitly" in msg
 
 
+@pytest.mark.extended  # an rtp train run (~1 min); auto's choices are tested above without one
 @pytest.mark.slow
 def test_rtp_train_logs_its_choice_and_trains(tmp_path):
     """A real `rtp train` on an embedded Ray: the cluster's memory decides, the run

@@ -82,6 +82,7 @@ def test_healthy_config_gets_no_flags(tmp_path, ray_cluster):
     assert (report.out_dir / DOCTOR_PLOT).stat().st_size > 1000
 
 
+@pytest.mark.extended  # a doctor run under Ray (30-50 s); its attribution rules are tested without Ray above
 def test_slow_data_source_is_flagged(tmp_path, ray_cluster):
     # 1024 rows: the throttled source cuts them into 16-row blocks, one Ray Data task each.
     cfg = _cfg(tmp_path, "slow", data={"max_read_rows_per_s": 100, "batch_size": 32,
@@ -91,6 +92,7 @@ def test_slow_data_source_is_flagged(tmp_path, ray_cluster):
     assert report.runs[0].data_wait_frac > 0.5
 
 
+@pytest.mark.extended  # a doctor run under Ray (30-50 s); its attribution rules are tested without Ray above
 def test_tiny_batch_is_flagged(tmp_path, ray_cluster):
     # 17M parameters, 2 samples per worker: a 68 MB all-reduce for almost no compute.
     cfg = _cfg(tmp_path, "tiny", data={"batch_size": 2, "num_samples": 2048},
@@ -101,6 +103,7 @@ def test_tiny_batch_is_flagged(tmp_path, ray_cluster):
     assert run.comm_frac > 0.3 and run.comm_s > run.compute_s
 
 
+@pytest.mark.extended  # a doctor run under Ray (30-50 s); its attribution rules are tested without Ray above
 def test_unsharded_data_is_flagged(tmp_path, ray_cluster):
     cfg = _healthy(tmp_path, "unsplit", split_across_workers=False)
     report = doctor(cfg, workers=[2], steps=4, warmup=2)

@@ -262,6 +262,7 @@ def test_a_diverged_run_stops_at_the_first_nan_and_keeps_its_good_checkpoints(
     assert max(steps) == 11  # nothing logged past the last finite step
 
 
+@pytest.mark.extended  # ~40 s; on_nonfinite: stop stays in the default run
 @pytest.mark.ray
 def test_skip_step_skips_and_counts_nonfinite_steps_and_stops_after_too_many(ray_cluster, tmp_path, capsys):
     """skip_step: three NaN steps (4-6) are skipped and counted, no checkpoint is written at

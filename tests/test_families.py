@@ -231,6 +231,7 @@ def test_fsdp_shards_each_decoder_layer_then_the_root(tmp_path):
 # ---------------------------------------------------------------- Ray
 
 
+@pytest.mark.extended  # the Ray launcher equals the torchrun core: test_ray_train shows it for DDP in the default run
 @pytest.mark.ray
 @pytest.mark.timeout(420)
 def test_hf_output_user_model_under_ray_matches_torchrun_and_exports_its_own_names(

@@ -233,6 +233,7 @@ def test_cli_export(tmp_path, base_runs):
     assert bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
+@pytest.mark.extended  # the Ray launcher equals the torchrun core: test_ray_train shows it for DDP in the default run
 @pytest.mark.ray
 @pytest.mark.timeout(240)
 def test_fsdp_under_ray_train_matches_torchrun(ray_cluster, tmp_path, base_runs):

@@ -216,6 +216,7 @@ def test_bad_layouts_are_refused_naming_the_numbers(tmp_path, patch, field, need
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.extended  # the Ray launcher equals the torchrun core: test_ray_train shows it for DDP in the default run
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_tp_fsdp_under_ray_train_matches_reference(ray_cluster, tmp_path, reference):

@@ -90,6 +90,7 @@ def test_ddp_and_accumulation_match_single_process(ray_cluster, tmp_path):
     assert [w["rank"] for w in attempt["workers"]] == [0, 1] and attempt["world_size"] == 2
 
 
+@pytest.mark.extended  # ~1 min; resuming under Ray stays in the default run in test_failures (a diverged run over good checkpoints)
 def test_same_config_twice_gives_same_losses_and_resumes(ray_cluster, tmp_path):
     """Bit-identical losses from the same config (the Ray run and the torchrun core, in
     other processes), and the same run.name again restores instead of retraining."""

@@ -56,6 +56,7 @@ def test_rtp_serve_prints_its_url_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
             proc.wait()
 
 
+@pytest.mark.extended  # ~40 s; the OpenAI API with the openai client is in test_serve_openai's default run
 def test_rtp_serve_answers_the_openai_client_for_a_hugging_face_directory(tmp_path, tiny):
     """`rtp serve DIR` on a Hugging Face folder (what `rtp export --format hf` writes, or
     a downloaded checkpoint): the official `openai` client chats with it, then Ctrl-C."""

@@ -217,6 +217,7 @@ def test_ddp_run_and_its_resumption_are_one_mlflow_run(ray_cluster, tmp_path, mo
     _assert_curve(_tensorboard(run_dir, "loss"), rows, "loss", rel=1e-6)
 
 
+@pytest.mark.extended  # a Ray run; the one-warning rule is tested without Ray above
 @pytest.mark.ray
 def test_unreachable_tracking_server_warns_and_training_succeeds(ray_cluster, tmp_path, monkeypatch):
     """The tracking server is down (a closed port on 127.0.0.1): one warning, the run
@@ -239,6 +240,7 @@ def test_unreachable_tracking_server_warns_and_training_succeeds(ray_cluster, tm
     assert not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.extended  # a 2-trial sweep (~80 s); the training run's MLflow record stays in the default run
 @pytest.mark.ray
 def test_sweep_is_a_parent_run_with_a_child_per_trial(ray_cluster, tmp_path, monkeypatch):
     """Two trials over train.lr in experiment 'lr-search': a parent run holding the
