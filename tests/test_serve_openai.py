@@ -56,11 +56,11 @@ def models(tmp_path_factory, tiny) -> dict[str, Path]:
     gpt = _train(others, "gpt", model={"name": "gpt", "kwargs": GPT_KWARGS},
                  data={"source": "synthetic", "batch_size": 4, "num_samples": 256})
     user = train_in_process(others, {**hf_config(others, "user", tiny["model"]),
-                                      "model": {"name": "user_models:tiny_llama", "task": "lm",
-                                                "kwargs": {"max_positions": 64}},
-                                      "train": {"max_steps": 2, "lr": 3e-3, "seed": 0},
-                                      "run": {"name": "user", "storage_path": str(others), "checkpoint_every": 0,
-                                              "eval_every": 0, "eval_batches": 1}})
+                                     "model": {"name": "user_models:tiny_llama", "task": "lm",
+                                               "kwargs": {"max_positions": 64}},
+                                     "train": {"max_steps": 2, "lr": 3e-3, "seed": 0},
+                                     "run": {"name": "user", "storage_path": str(others), "checkpoint_every": 0,
+                                             "eval_every": 0, "eval_batches": 1}})
     user_clf = _train(others, "user_clf", model={"name": "user_models:slow_mlp", "kwargs": {"delay_s": 0.0}})
     return {"sweep": sweep, "export": exported, "gpt": gpt, "user": user, "user_clf": user_clf}
 
