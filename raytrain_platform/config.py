@@ -164,6 +164,19 @@ class DataConfig:
         _check(self.feature_columns is None or len(self.feature_columns) > 0,
                "data.feature_columns", self.feature_columns, "a non-empty list of column names or null")
 
+    @property
+    def micro_batch(self) -> int:
+        """``batch_size`` as the number a run uses: ``auto`` is decided before Ray starts
+        (resolve_job, plan/auto.py), so a resolved job's config always has one.
+
+        >>> DataConfig(source="synthetic", batch_size=8).micro_batch
+        8
+        """
+        if isinstance(self.batch_size, int):
+            return self.batch_size
+        raise ConfigError("data.batch_size", self.batch_size,
+                          "a number here: 'auto' is decided when the job is resolved (rtp validate, rtp train)")
+
     def tokenizer_for(self, model: ModelConfig) -> str | None:
         """The tokenizer folder text and jsonl are read with: ``data.tokenizer``, else the
         model family's own (an hf model's directory); None: text is read as bytes."""
