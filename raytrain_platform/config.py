@@ -404,7 +404,8 @@ class RunConfig:
         return os.path.join(self.storage_path, self.name)
 
 
-_SECTIONS: dict[str, type] = {
+_Section = ModelConfig | DataConfig | TrainConfig | ParallelConfig | ScalingConfig | RunConfig
+_SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,
     "data": DataConfig,
     "train": TrainConfig,
@@ -468,10 +469,12 @@ class JobConfig:
                f"false for model '{self.model.name}' (it has no repeated blocks to checkpoint)")
         task = self.model.task
         if task == "lm":
-            _check(self.seq_len is not None, "data.seq_len", None,
-                   f"an integer >= 1 for the language model '{self.model.name}' (tokens per sample)")
+            seq_len = self.seq_len
+            if seq_len is None:
+                raise ConfigError("data.seq_len", None,
+                                  f"an integer >= 1 for the language model '{self.model.name}' (tokens per sample)")
             limit = family.max_seq_len(self.model.kwargs)
-            _check(limit is None or self.seq_len <= limit, "data.seq_len", self.data.seq_len,
+            _check(limit is None or seq_len <= limit, "data.seq_len", self.data.seq_len,
                    f"at most {limit} (the context of model '{self.model.name}'), or null")
         else:
             _check(self.data.seq_len is None, "data.seq_len", self.data.seq_len,
@@ -576,7 +579,7 @@ def _section_dict(section: Any) -> dict:
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
 
 
-def _build_section(cls: type, data: Any) -> Any:
+def _build_section(cls: type[_Section], data: Any) -> Any:
     section = cls.SECTION
     _check(isinstance(data, dict), section, data, "a mapping of keys to values")
     if hasattr(cls, "normalize"):  # a section's shorthand forms, e.g. elastic num_workers

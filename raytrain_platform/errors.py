@@ -7,6 +7,7 @@ layer turns them into a 4xx. Nothing here imports torch or Ray.
 from __future__ import annotations
 
 import re
+from typing import TypeVar
 
 __all__ = ["CheckpointError", "ConfigError", "DataError", "NonFiniteError", "UserError", "describe_error",
            "first_line", "root_cause", "user_cause"]
@@ -125,7 +126,10 @@ def root_cause(exc: BaseException) -> BaseException:
     return _deepest(_walk(exc))
 
 
-def _deepest(found: list[tuple[int, BaseException]]) -> BaseException:
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _deepest(found: list[tuple[int, _E]]) -> _E:
     """The first of the deepest exceptions in `_walk`'s (depth, exception) order."""
     deepest = max(depth for depth, _ in found)
     return next(e for depth, e in found if depth == deepest)

@@ -95,6 +95,7 @@ def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False,
     cfg = _load_job_config(ckpt)
     family = get_family(cfg.model.name)
     if servable:  # asked before the model is built: no user code imported for a refusal
+        assert cfg.model.task is not None, "ModelConfig resolves the task when it is built"
         try:
             family.serving(cfg.model.kwargs, cfg.model.task)
         except ConfigError as exc:
@@ -183,6 +184,7 @@ def _load_adapters(model: nn.Module, cfg: JobConfig, ckpt: Path, *, sharded: boo
     adapters were trained on, then its adapters from the checkpoint; merged or not."""
     from raytrain_platform.models.lora import apply_lora
 
+    assert cfg.model.lora is not None, "called for LoRA runs only"
     load_lora_base(model, cfg, ckpt)
     model = apply_lora(model, cfg.model.lora, model_name=cfg.model.name)
     attach_adapters(model, read_adapters(ckpt, sharded=sharded), ckpt=ckpt)

@@ -40,7 +40,7 @@ class ResolvedJob:
     def rows_per_step(self) -> int:
         """Samples in one optimizer step over all ranks (the global batch)."""
         c = self.config
-        return ParallelDims.from_config(c).dp * c.data.batch_size * c.train.grad_accum_steps
+        return ParallelDims.from_config(c).dp * c.data.micro_batch * c.train.grad_accum_steps
 
     def at_world_size(self, world: int) -> "ResolvedJob":
         """This job on the `world` workers an elastic run got: accumulation makes up the
@@ -49,6 +49,7 @@ class ResolvedJob:
         s, t = self.config.scaling, self.config.train
         if world == s.num_workers:
             return self
+        assert s.min_workers is not None, "only an elastic run gets another worker count"
         accum = t.grad_accum_steps * s.num_workers // world
         cfg = self.config.replace({"scaling.num_workers": world, "scaling.min_workers": min(s.min_workers, world),
                                    "train.grad_accum_steps": accum, "train.global_batch_size": None})
@@ -72,7 +73,7 @@ def val_rounds(job: ResolvedJob) -> int:
     """Whole rounds of one validation micro-batch per rank: every rank evaluates the
     same number of batches (resolve_job guarantees at least one round)."""
     cfg = job.config
-    return whole_rounds(job.data.num_val, batch_size=cfg.data.batch_size,
+    return whole_rounds(job.data.num_val, batch_size=cfg.data.micro_batch,
                         world=ParallelDims.from_config(cfg).dp)
 
 
@@ -90,6 +91,7 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
         check_fits(spec.token_spec(), vocab_size=family.vocab_size(cfg.model.kwargs),
                    max_positions=family.max_seq_len(cfg.model.kwargs))
     info = describe(spec)
+    assert cfg.model.task is not None, "ModelConfig resolves the task from its family"
     kwargs = family.fill_from_data(cfg.model.kwargs, num_features=info.num_features,
                                    num_classes=info.num_classes, task=cfg.model.task)
     if kwargs != cfg.model.kwargs:
@@ -103,7 +105,7 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
     if has_auto(cfg):
         cfg, notes = resolve_auto(cfg, hardware or local_hardware(cfg))
     # Data-parallel ranks: the ranks of one TP/PP group read the same micro-batches.
-    world, batch, accum = ParallelDims.from_config(cfg).dp, cfg.data.batch_size, cfg.train.grad_accum_steps
+    world, batch, accum = ParallelDims.from_config(cfg).dp, cfg.data.micro_batch, cfg.train.grad_accum_steps
     per_step = world * batch * accum
     if info.num_train == 0:
         raise DataError(f"data.source = {cfg.data.source!r}: the training split is empty")
@@ -139,6 +141,7 @@ def _check_elastic(cfg: JobConfig) -> None:
     import math
 
     lo, hi, accum = cfg.scaling.min_workers, cfg.scaling.num_workers, cfg.train.grad_accum_steps
+    assert lo is not None, "called for elastic runs, which have min_workers"
     bad = [n for n in range(lo, hi + 1) if (accum * hi) % n]
     if bad:
         need = math.lcm(*range(lo, hi + 1))

@@ -65,6 +65,11 @@ LAYOUTS = {
                                  data={"batch_size": 4}, train=accum(2))),
     "pp2_ddp2_accum2": (4, dict(parallel={"pp_size": 2, "strategy": "ddp", "pp_split": [1, 3]},
                                 data={"batch_size": 4}, train=accum(2))),
+    # Two stages per rank under DDP: the gradient all-reduce is counted on one of them
+    # (this layout crashed at its first sync once, when it was counted on their sum).
+    "pp2_interleaved_ddp2": (4, dict(parallel={"pp_size": 2, "pp_schedule": "interleaved_1f1b",
+                                               "pp_microbatches": 4, "strategy": "ddp"},
+                                     data={"batch_size": 4}, train=accum(2))),
 }
 
 
@@ -84,7 +89,7 @@ def runs(tmp_path_factory, reference) -> dict[str, tuple[Path, list[dict]]]:
     return out
 
 
-@pytest.mark.timeout(900)  # the first one builds `runs`: 8 torchrun jobs (~120 s on 2 idle cores)
+@pytest.mark.timeout(900)  # the first one builds `runs`: 9 torchrun jobs (~140 s on 2 idle cores)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(runs, name):
     one, rows = losses(runs["one"][1]), runs[name][1]
@@ -107,6 +112,7 @@ def test_state_is_split_across_model_parallel_ranks(runs):
     assert {r["grad_allreduces"] for r in runs["tp2_fsdp2_accum2"][1]} == {5}
     # PP x DDP: one flat all-reduce of the stage's gradients per optimizer step.
     assert {r["grad_allreduces"] for r in runs["pp2_ddp2_accum2"][1]} == {1}
+    assert {r["grad_allreduces"] for r in runs["pp2_interleaved_ddp2"][1]} == {1}
 
 
 def test_data_goes_to_data_parallel_ranks_only(tmp_path):

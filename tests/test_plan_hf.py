@@ -107,10 +107,10 @@ def test_qwen2_has_qkv_biases_and_llama_none_by_default():
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_keys_left_out_take_the_transformers_defaults(model_type):
     """A config.json without sizes plans the model transformers' config class describes."""
-    from raytrain_platform.models.hf_shapes import _DEFAULTS
+    from raytrain_platform.models.hf_shapes import CONFIG_DEFAULTS
 
     config = _config_class(model_type)()
-    for key, value in _DEFAULTS[model_type].items():
+    for key, value in CONFIG_DEFAULTS[model_type].items():
         derived = {"head_dim": config.hidden_size // config.num_attention_heads,
                    "num_key_value_heads": config.num_attention_heads}.get(key)
         assert getattr(config, key, None) in ((value,) if value is not None else (None, derived)), key

@@ -196,7 +196,8 @@ def _load_unsharded(directory, data: dict, *, par, optimizer, device, adapters_o
     if par.sharded:  # full tensors in, each rank keeps its shard
         full = StateDictOptions(full_state_dict=True, strict=not adapters_only,
                                 ignore_frozen_params=adapters_only)
-        set_model_state_dict(par.module, weights, options=full)
+        # torch annotates an invariant dict[str, ValueType] where any tensor mapping is read
+        set_model_state_dict(par.module, weights, options=full)  # type: ignore[arg-type]
         set_optimizer_state_dict(par.module, optimizer, optim_state, options=full)
     else:
         par.base.load_state_dict(weights, strict=not adapters_only)

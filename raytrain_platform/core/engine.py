@@ -81,6 +81,7 @@ class Engine:
         self.run_dir = run_dir
         self.profiler = profiler  # `rtp doctor`'s measured runs (core/profile.py)
         self.family = get_family(self.cfg.model.name)
+        assert self.cfg.model.task is not None, "ModelConfig resolves the task from its family"
         self.task = get_task(self.cfg.model.task, self.cfg.model.name)
         self.par = self._build(resuming=resuming)
         # Data-parallel coordinates: ranks of one TP/PP group read the same micro-batches.
@@ -149,7 +150,7 @@ class Engine:
     def restore(self, directory: str) -> None:
         self.state = load_checkpoint(directory, par=self.par, optimizer=self.optimizer,
                                      device=self.env.device, world_size=self.data_world,
-                                     batch_size=self.cfg.data.batch_size,
+                                     batch_size=self.cfg.data.micro_batch,
                                      epoch_rows=self.job.steps_per_epoch * self.job.rows_per_step,
                                      base=self.base)
 
@@ -158,7 +159,7 @@ class Engine:
         save_checkpoint(directory, par=self.par, optimizer=self.optimizer, state=self.state,
                         lr=self.optimizer.param_groups[0]["lr"], config_yaml=self._config_yaml,
                         metrics=metrics, is_rank0=self.env.is_rank0,
-                        world_size=self.data_world, batch_size=self.cfg.data.batch_size, base=self.base)
+                        world_size=self.data_world, batch_size=self.cfg.data.micro_batch, base=self.base)
         self.nonfinite.saved(self.state.step)
 
     # ------------------------------------------------------------ steps
@@ -275,7 +276,7 @@ class Engine:
 
     def fit(self, source: BatchSource, reporter: Reporter, *, log: MetricsLog | None = None) -> dict:
         cfg, accum = self.cfg, self.cfg.train.grad_accum_steps
-        total = self.job.total_steps
+        total, profiler = self.job.total_steps, self.profiler
         val_cache: list[Batch] | None = None
         last_metrics: dict = {}
         self.par.module.train()
@@ -289,35 +290,37 @@ class Engine:
                 _reseed(_seed_for(cfg.train.seed, self.state.step, self.data_rank), self.env.device)
                 loss_sum, n_units = torch.zeros((), device=self.env.device), 0
                 comm_before = self.par.comm.calls
-                mode = self.profiler.mode(self.state.step) if self.profiler else None
-                apart = mode == "breakdown" and self.par.sync_grads is not None
+                mode = profiler.mode(self.state.step) if profiler else None
+                # breakdown steps sync gradients after backward, where the strategy can
+                sync_grads = self.par.sync_grads if mode == "breakdown" else None
+                apart = sync_grads is not None
                 t_step, compute = time.perf_counter(), 0.0
                 batches, data_wait = self._step_batches(it, accum)
                 if len(batches) < accum:  # end of epoch (only whole steps are dealt, so none)
                     break
                 scale = self.loss_scale(batches)
                 for micro, batch in enumerate(batches):
-                    if mode:
-                        self.profiler.see(self.state.epoch, batch["sample_id"])
+                    if profiler and mode:
+                        profiler.see(self.state.epoch, batch["sample_id"])
                     n_units += batch["sample_id"].numel() * self.task.units_per_sample(batch)
                     t1 = time.perf_counter()
                     loss_sum += self.micro_step(batch, scale=scale, sync=micro == accum - 1 and not apart)
                     compute += self._since(t1, mode)
                 t2 = time.perf_counter()
-                if apart:
-                    self.par.sync_grads()
+                if sync_grads is not None:
+                    sync_grads()
                 comm = self._since(t2, mode)
                 t3 = time.perf_counter()
                 grad_norm = self.optimizer_step(loss_sum)
-                if mode:
-                    self.profiler.record(step=self.state.step, mode=mode, data_wait_s=data_wait,
-                                         compute_s=compute, comm_s=comm if apart else None,
-                                         optimizer_s=self._since(t3, mode),
-                                         step_s=self._since(t_step, mode),
-                                         samples=accum * cfg.data.batch_size)
+                if profiler and mode:
+                    profiler.record(step=self.state.step, mode=mode, data_wait_s=data_wait,
+                                    compute_s=compute, comm_s=comm if apart else None,
+                                    optimizer_s=self._since(t3, mode),
+                                    step_s=self._since(t_step, mode),
+                                    samples=accum * cfg.data.micro_batch)
                 self.state.step += 1
                 self.state.batches_in_epoch += accum
-                self.state.samples_seen += accum * cfg.data.batch_size * self.data_world
+                self.state.samples_seen += accum * cfg.data.micro_batch * self.data_world
                 window["steps"] += 1
                 window["wait"] += data_wait
                 window["units"] += n_units
@@ -344,9 +347,9 @@ class Engine:
             else:
                 break
             self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
-        if self.profiler:
-            self.profiler.finish(rank=self.env.rank, world_size=self.env.world_size,
-                                 data_rank=self.data_rank, run_dir=self.run_dir)
+        if profiler:
+            profiler.finish(rank=self.env.rank, world_size=self.env.world_size,
+                            data_rank=self.data_rank, run_dir=self.run_dir)
         return last_metrics
 
     def _since(self, t0: float, mode: str | None) -> float:
@@ -366,7 +369,7 @@ class Engine:
         world, steps = self.data_world, window["steps"]
         copies = self.env.world_size // world
         step_time = elapsed / steps
-        samples = self.cfg.train.grad_accum_steps * self.cfg.data.batch_size * world * steps
+        samples = self.cfg.train.grad_accum_steps * self.cfg.data.micro_batch * world * steps
         metrics = {
             "step": self.state.step,
             "epoch": self.state.epoch,

@@ -27,7 +27,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         # path on CPU (benchmarks/profile.md); it also takes DTensors (FSDP2, TP). The
         # multi-tensor path stays for devices without a fused kernel.
         fused = all(p.device.type in _FUSED_ADAMW_DEVICES for p in params)
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused,
+        beta1, beta2 = cfg.betas  # two numbers (TrainConfig checks)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(beta1, beta2), fused=fused,
                                  foreach=not fused)
     # SGD stays multi-tensor: its fused kernel has no DTensor sharding rule (FSDP2 / TP).
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)

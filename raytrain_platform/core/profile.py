@@ -36,7 +36,7 @@ def duplicate_samples(seen_by_rank: list[list[tuple[int, int]]]) -> dict:
     >>> duplicate_samples([[(0, 1), (0, 2)], [(0, 2), (0, 3)], [(1, 1)]])
     {'samples': 5, 'distinct': 4, 'on_several_ranks': 1, 'examples': [[0, 2]]}
     """
-    owners: dict[tuple[int, int], set[int]] = {}
+    owners: dict[tuple[int, ...], set[int]] = {}
     for rank, pairs in enumerate(seen_by_rank):
         for pair in pairs:
             owners.setdefault(tuple(pair), set()).add(rank)

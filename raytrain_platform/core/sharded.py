@@ -31,6 +31,7 @@ import pickle
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,9 +98,10 @@ class SafeFileSystemReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = safe_load_metadata(f.read(), source=str(path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -187,7 +189,7 @@ def load_sharded(directory: str | os.PathLike, *, module: nn.Module,
     `adapters_only`, the trainable parameters (the frozen base is loaded already)."""
     options = StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
     model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # dcp.load fills it in place
     _load(state, directory, "model/optimizer")
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)

@@ -67,8 +67,8 @@ def load_safetensors(model: nn.Module, files: list[str],
     where = _index(files)
     names_of: dict[int, list[str]] = defaultdict(list)  # tied weights: one tensor, several names
     tensors: dict[int, torch.Tensor] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        name = source_name(name) if source_name is not None else name
+    for fqn, t in model.state_dict(keep_vars=True).items():
+        name = source_name(fqn) if source_name is not None else fqn
         if name is None:
             continue
         names_of[id(t)].append(name)

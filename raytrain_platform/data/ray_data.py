@@ -133,7 +133,7 @@ def parquet_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
 def build_datasets(cfg: "JobConfig", info: DataInfo) -> dict[str, "ray.data.Dataset"]:
     """{"train": ..., "val": ...} Ray Datasets for the config; val only if it has rows."""
     spec = SourceSpec.from_config(cfg)
-    world, batch = cfg.scaling.num_workers, cfg.data.batch_size
+    world, batch = cfg.scaling.num_workers, cfg.data.micro_batch
     out = {}
     for split, rows in (("train", info.num_train), ("val", info.num_val)):
         if rows == 0:

@@ -105,17 +105,19 @@ def _data_loading(runs: list[RunStats]) -> Finding | None:
 
 
 def _batch_too_small(runs: list[RunStats]) -> Finding | None:
-    multi = [r for r in runs if r.workers > 1 and r.comm_frac is not None]  # gradient all-reduce
+    # (gradient all-reduce share, run) for the multi-worker runs that timed it apart
+    multi = [(frac, r) for r in runs if r.workers > 1 and (frac := r.comm_frac) is not None]
     if not multi:
         return None
-    worst = max(multi, key=lambda r: r.comm_frac)
-    if worst.comm_frac <= THRESHOLDS["comm_frac"]:
+    comm_frac, worst = max(multi, key=lambda fr: fr[0])
+    if comm_frac <= THRESHOLDS["comm_frac"]:
         return None
-    factor = max(2, round(worst.comm_frac / (1 - worst.comm_frac) * 4))
+    assert worst.comm_s is not None, "comm_frac is None when comm_s is"
+    factor = max(2, round(comm_frac / (1 - comm_frac) * 4))
     return Finding(
         "batch_too_small", "per-worker batch too small: gradient communication dominates "
         "(pitfall: batch per GPU too small)",
-        f"at {worst.workers} workers the gradient all-reduce takes {_pct(worst.comm_frac)} of the "
+        f"at {worst.workers} workers the gradient all-reduce takes {_pct(comm_frac)} of the "
         f"step ({1000 * worst.comm_s:.1f} ms of {1000 * worst.step_s:.1f} ms; forward+backward "
         f"{1000 * worst.compute_s:.1f} ms) with {worst.batch_per_worker} samples per worker per step",
         f"raise data.batch_size (about {factor}x, to {worst.batch_per_worker * factor} per worker) or "

@@ -154,7 +154,8 @@ def _check_cpu_headroom(cfg: JobConfig) -> None:
 
     total = ray.cluster_resources().get("CPU", 0.0)
     # An elastic run starts with what there is, from min_workers up.
-    workers = cfg.scaling.min_workers if cfg.scaling.elastic else cfg.scaling.num_workers
+    lo = cfg.scaling.min_workers
+    workers = lo if cfg.scaling.elastic and lo is not None else cfg.scaling.num_workers
     need = workers * cfg.scaling.cpus_per_worker
     if total and need > total - 0.5:
         raise ConfigError("scaling.cpus_per_worker", cfg.scaling.cpus_per_worker,
@@ -206,11 +207,15 @@ def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequen
         ds.context.enable_progress_bars = False
     s = cfg.scaling
     per_worker = {"CPU": s.cpus_per_worker, **({"GPU": 1.0} if s.use_gpu else {})}
-    scaling = ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.elastic else s.num_workers,
+    lo = s.min_workers  # elastic: Ray starts with what there is, from min_workers up
+    workers = (lo, s.num_workers) if s.elastic and lo is not None else s.num_workers
+    # mypy sees Ray Train v1's configs (ray.train exports v2, the default, at run time):
+    # v1 has no worker range, label_selector or worker_runtime_env.
+    scaling = ScalingConfig(num_workers=workers,  # type: ignore[call-arg, arg-type]
                             use_gpu=s.use_gpu, placement_strategy=s.placement_strategy,
                             resources_per_worker=per_worker,
                             label_selector=_tp_label_selector(cfg, per_worker, emit))
-    run_config = RunConfig(
+    run_config = RunConfig(  # type: ignore[call-arg]
         name=cfg.run.name, storage_path=cfg.run.storage_path,
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         failure_config=FailureConfig(max_failures=cfg.run.max_failures),
@@ -224,7 +229,7 @@ def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequen
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
-        datasets=datasets,
+        datasets=datasets,  # type: ignore[arg-type]  # Ray annotates an invariant Dict[str, GenDataset]
         dataset_config=DataConfig(
             # TP/PP: unsplit, each rank strides over data-parallel ranks (launch/worker.py).
             datasets_to_split=["train"] if cfg.data.split_across_workers

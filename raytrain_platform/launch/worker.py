@@ -4,6 +4,7 @@ dataset shard as a `BatchSource`, and hands over to the Ray-free engine."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -56,7 +57,7 @@ class RayBatches:
         # training step (benchmarks/train_vs_loop.py measures the difference).
         d = self.cfg.data
         batches = it.iter_batches(
-            batch_size=d.batch_size, batch_format="numpy", drop_last=True,
+            batch_size=d.micro_batch, batch_format="numpy", drop_last=True,
             prefetch_batches=d.prefetch_batches, local_shuffle_buffer_size=d.shuffle_buffer or None,
             local_shuffle_seed=shuffle_seed if d.shuffle_buffer else None)
         return map(_as_tensors, batches)
@@ -67,7 +68,7 @@ class RayBatches:
         if self.model_parallel:  # unsplit (split_across_workers false): every rank reads all
             world = self.data_world if d.split_across_workers else 1
             return deal(self._iter(self.train_it, shuffle_seed=seed), rank=self.data_rank % world,
-                        world=world, rounds=self.job.data.num_train // (world * d.batch_size))
+                        world=world, rounds=self.job.data.num_train // (world * d.micro_batch))
         return self._iter(self.train_it, shuffle_seed=seed)
 
     def val_batches(self, n: int):
@@ -126,7 +127,7 @@ def _record_workers(run_dir: str, env: DistEnv, job: ResolvedJob) -> None:
 
     me = {"rank": env.rank, "node_id": ray.get_runtime_context().get_node_id(),
           "host": socket.gethostname(), "pid": os.getpid()}
-    everyone = [me]
+    everyone: list[dict[str, object] | None] = [me]
     if dist.is_initialized() and env.world_size > 1:
         everyone = [None] * env.world_size
         dist.all_gather_object(everyone, me)
@@ -166,10 +167,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # only the run directory knows: the driver found it and passes it. The newer wins
     # (names are checkpoint_<zero-padded step>).
     found = loop_config.get("resume_from")
-    common = dict(source=source, reporter=reporter, run_dir=cfg.run.run_dir,
-                  profiler=StepProfiler.from_dict(loop_config.get("profile")))
+    train = functools.partial(run_training, job, env, source=source, reporter=reporter,
+                              run_dir=cfg.run.run_dir,
+                              profiler=StepProfiler.from_dict(loop_config.get("profile")))
     if checkpoint is None or (found and Path(found).name > Path(checkpoint.path).name):
-        run_training(job, env, resume_dir=found, **common)
+        train(resume_dir=found)
         return
     with checkpoint.as_directory() as resume_dir:
-        run_training(job, env, resume_dir=resume_dir, **common)
+        train(resume_dir=resume_dir)

@@ -169,8 +169,9 @@ class MLPFamily(ModelFamily):
 
     def init_weights(self, model: "nn.Module") -> None:
         for module in model.modules():
-            if hasattr(module, "reset_parameters") and module is not model:
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if reset is not None and module is not model:
+                reset()
 
     def blocks(self, model: "nn.Module", *, block_class: str | None = None) -> list[tuple[str, "nn.Module"]]:
         return super().blocks(model, block_class=block_class) if block_class else []

@@ -274,7 +274,7 @@ def find_blocks(model: "nn.Module", *, block_class: str | None = None) -> list[t
             raise ConfigError("model.block_class", block_class,
                               f"the class name of the model's repeated blocks; its modules are {classes}")
         return found
-    best: tuple[str, nn.Module] | None = None
+    best: tuple[str, nn.ModuleList | nn.ModuleDict] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
             continue

@@ -222,7 +222,10 @@ class HFFamily(ModelFamily):
         if model_type not in TP_MODEL_TYPES:
             raise ConfigError("parallel.tp_size", tp, f"1 for model_type {model_type!r} (a tensor-parallel plan "
                               f"exists for {list(TP_MODEL_TYPES)})")
-        heads = config.get("num_attention_heads")
+        from raytrain_platform.models.hf_shapes import CONFIG_DEFAULTS
+
+        # A config.json may leave it out: transformers' default for the type then
+        heads = config.get("num_attention_heads", CONFIG_DEFAULTS[model_type]["num_attention_heads"])
         kv_heads = config.get("num_key_value_heads") or heads
         if heads % tp or kv_heads % tp:
             raise ConfigError("parallel.tp_size", tp, f"a divisor of num_attention_heads ({heads}) and "
@@ -240,9 +243,9 @@ class HFFamily(ModelFamily):
                          p + "mlp.gate_proj": "colwise", p + "mlp.up_proj": "colwise",
                          p + "mlp.down_proj": "rowwise",
                          p + "input_layernorm": "norm", p + "post_attention_layernorm": "norm"})
-            layer = model.model.layers[i]  # type: ignore[index, union-attr]
+            attn = model.get_submodule(p + "self_attn")
             for norm in ("q_norm", "k_norm"):  # qwen3: per-head norms, over head_dim: replicated
-                if hasattr(layer.self_attn, norm):
+                if hasattr(attn, norm):
                     plan[p + f"self_attn.{norm}"] = "norm"
         return plan
 
@@ -260,7 +263,8 @@ class HFFamily(ModelFamily):
         (from `tokenizer`, default the model's own directory)."""
         from transformers import AutoTokenizer
 
-        model.save_pretrained(out, max_shard_size=max_shard_size)
+        # a transformers model; nn.Module types its attributes as Tensor | Module
+        model.save_pretrained(out, max_shard_size=max_shard_size)  # type: ignore[operator]
         source = tokenizer or kwargs["path"]
         try:
             tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)

@@ -23,13 +23,13 @@ from typing import Any
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.models.shapes import ModelShape, transformer_shape
 
-__all__ = ["DEFAULT_MAX_SEQ_LEN", "SUPPORTED_MODEL_TYPES", "hf_config_shape"]
+__all__ = ["CONFIG_DEFAULTS", "DEFAULT_MAX_SEQ_LEN", "SUPPORTED_MODEL_TYPES", "hf_config_shape"]
 
 DEFAULT_MAX_SEQ_LEN = 4096  # planned sequence length when none is given (capped by the model's)
 
 # transformers' config class defaults (5.x) for keys a config.json may leave out;
 # tests/test_plan_hf.py checks them against LlamaConfig(), MistralConfig(), Qwen2Config().
-_DEFAULTS: dict[str, dict[str, Any]] = {
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
               "max_position_embeddings": 2048, "tie_word_embeddings": False,
@@ -45,7 +45,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "max_position_embeddings": 32768, "tie_word_embeddings": False, "head_dim": 128,
               "attention_bias": False},
 }
-SUPPORTED_MODEL_TYPES = tuple(_DEFAULTS)
+SUPPORTED_MODEL_TYPES = tuple(CONFIG_DEFAULTS)
 
 
 def _layer_options(model_type: str, cfg: dict) -> dict[str, bool]:
@@ -99,11 +99,11 @@ def hf_config_shape(config: dict, *, name: str = "hf", seq_len: int | None = Non
     if not isinstance(config, dict):
         raise ConfigError("config.json", type(config).__name__, "a JSON object (a Hugging Face model config)")
     model_type = config.get("model_type")
-    if model_type not in _DEFAULTS:
+    if model_type not in CONFIG_DEFAULTS:
         raise ConfigError("model.kwargs.path", model_type,
                           f"a Llama-style decoder ({', '.join(SUPPORTED_MODEL_TYPES)}) for rtp plan; "
                           "for others use --params/--layers/--hidden/--seq-len")
-    cfg = {**_DEFAULTS[model_type], **config}
+    cfg = {**CONFIG_DEFAULTS[model_type], **config}
     sizes = _sizes(cfg)
     if seq_len is None:
         seq_len = min(sizes["max_position_embeddings"], DEFAULT_MAX_SEQ_LEN)

@@ -7,6 +7,8 @@ With gradient accumulation the engine runs every micro-step but the last inside
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,7 +27,7 @@ def _counting_allreduce(counter, bucket):  # no annotations: DDP inspects them
 
 
 def apply_ddp(model: nn.Module, *, env, cfg, mesh: DeviceMesh | None = None,
-              blocks: list[tuple[str, nn.Module]] = ()) -> Parallelized:
+              blocks: Sequence[tuple[str, nn.Module]] = ()) -> Parallelized:
     """Wrap `model` (already on its device) in DDP over the default process group, or
     over the data-parallel `mesh` (a 1-D sub-mesh) when pipeline stages divide the ranks.
 

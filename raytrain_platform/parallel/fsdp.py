@@ -25,7 +25,7 @@ Run it (Ray absent)::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 try:  # private in torch 2.13: without it, runs still train, only the count stays 0
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 except ImportError:  # pragma: no cover - older/newer torch
-    DefaultReduceScatter = None
+    DefaultReduceScatter = None  # type: ignore[assignment,misc]  # the optional-import pattern
 
 from raytrain_platform.parallel.base import CommCounter, Parallelized
 
@@ -55,7 +55,7 @@ class _CountingReduceScatter(DefaultReduceScatter or object):  # type: ignore[mi
 
 
 def apply_fsdp(model: nn.Module, *, env, cfg, mesh: DeviceMesh | None = None,
-               blocks: list[tuple[str, nn.Module]] = ()) -> Parallelized:
+               blocks: Sequence[tuple[str, nn.Module]] = ()) -> Parallelized:
     """Shard `model` (already on its device) across all ranks with FSDP2, or across the
     data-parallel `mesh` (a 1-D sub-mesh) when TP/PP divide the ranks (parallel/mesh.py):
     each of `blocks` as its own unit, then the root.

@@ -19,9 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 __all__ = ["clip_grad_norm", "allreduce_grads"]
+
+# A gradient's (mesh, placements) for a DTensor; None for a plain tensor.
+_GroupKey = tuple[DeviceMesh, tuple[Placement, ...]] | None
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
@@ -30,7 +34,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
     ``clip_grad_norm_`` does on one process; returns the norm before clipping.
     Collective over every rank (and `stage_group`, the pipeline stages)."""
     grads = [p.grad for p in params if p.grad is not None]
-    groups: dict[object, list[torch.Tensor]] = {}
+    groups: dict[_GroupKey, list[torch.Tensor]] = {}
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g)

@@ -71,8 +71,8 @@ class _SummedCounter(CommCounter):
     def __init__(self, counters: list[CommCounter]):  # noqa: D107 - no dataclass fields set
         self.counters = counters
 
-    @property  # type: ignore[override]
-    def calls(self) -> int:
+    @property
+    def calls(self) -> int:  # type: ignore[override]  # read-only: a sum, never incremented itself
         return sum(c.calls for c in self.counters)
 
 
@@ -130,7 +130,8 @@ def _counted_allreduce(model: nn.Module, group, counter: CommCounter) -> Callabl
 
 def _schedule(name: str, stages: list[PipelineStage], n_chunks: int, loss_fn: LossFn):
     if name == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, n_chunks, loss_fn=loss_fn, scale_grads=False)
+        # torch annotates list[_PipelineStageBase] (invariant); PipelineStage is one
+        return ScheduleInterleaved1F1B(stages, n_chunks, loss_fn=loss_fn, scale_grads=False)  # type: ignore[arg-type]
     cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
     return cls(stages[0], n_chunks, loss_fn=loss_fn, scale_grads=False)
 
@@ -160,7 +161,8 @@ def apply_pp(model: nn.Module, *, env, cfg, mesh: DeviceMesh, layout: PipelineLa
     holder = parts[0] if per_rank == 1 else _merge(parts, layout)
     comm = wrapped[0].comm if per_rank == 1 else _SummedCounter([w.comm for w in wrapped])
     if mesh["dp"].size() > 1 and cfg.strategy == "ddp":
-        runner.grad_sync = _counted_allreduce(holder, mesh["dp"].get_group(), comm)
+        # Counted on the first stage's counter: `comm` may be a read-only sum of them.
+        runner.grad_sync = _counted_allreduce(holder, mesh["dp"].get_group(), wrapped[0].comm)
     return Parallelized(
         module=holder, base=holder, sharded=True, comm=comm,
         clip_grad_norm=lambda max_norm: clip_grad_norm(holder.parameters(), max_norm,

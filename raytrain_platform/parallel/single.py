@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from raytrain_platform.parallel.base import Parallelized
@@ -9,6 +11,6 @@ from raytrain_platform.parallel.base import Parallelized
 __all__ = ["apply_none"]
 
 
-def apply_none(model: nn.Module, *, env, cfg, blocks: list[tuple[str, nn.Module]] = ()) -> Parallelized:
+def apply_none(model: nn.Module, *, env, cfg, blocks: Sequence[tuple[str, nn.Module]] = ()) -> Parallelized:
     """No wrapping; used with exactly one worker."""
     return Parallelized(module=model, base=model, sync_grads=lambda: None)  # nothing to sync

@@ -40,7 +40,8 @@ class ReplicateParams(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
             module, device_mesh,
-            input_fn=lambda mod, inputs, mesh: tuple(
+            # torch annotates input_fn as returning None; what it returns replaces the inputs
+            input_fn=lambda mod, inputs, mesh: tuple(  # type: ignore[arg-type]
                 DTensor.from_local(t, mesh, (Replicate(),), run_check=False) for t in inputs),
             output_fn=lambda mod, output, mesh: output.to_local())
 
@@ -76,8 +77,9 @@ def _grad_like_param(param: DTensor) -> None:
     """Row-split embeddings get Replicate (full-size) gradients from DTensor's embedding
     backward; keep only this rank's rows, as the parameter (a local slice, no
     communication): gradient memory then splits like the parameters."""
-    if param.grad is not None and param.grad.placements != param.placements:
-        param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+    grad = param.grad  # typed Tensor: a DTensor parameter's gradient is a DTensor
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def apply_tp(model: nn.Module, *, mesh: DeviceMesh, plan: dict[str, str], sequence_parallel: bool,

@@ -102,16 +102,18 @@ def _shape(cfg: JobConfig) -> ModelShape:
 
 
 # plan option -> config fields, given the option's layout
-def _strategy_fields(opt: Option) -> dict:
+def _strategy_fields(opt: Option) -> dict[str, str | int]:
     lay = opt.layout
     assert lay is not None
     replicated = "none" if lay.dp == 1 else "ddp"
-    return {"none": {"parallel.strategy": "none"}, "accum": {"parallel.strategy": "none"},
-            "ddp": {"parallel.strategy": "ddp"}, "fsdp": {"parallel.strategy": "fsdp"},
-            "tp": {"parallel.strategy": replicated, "parallel.tp_size": lay.tp},
-            "pp": {"parallel.strategy": replicated, "parallel.pp_size": lay.pp},
-            "tp_fsdp": {"parallel.strategy": "fsdp", "parallel.tp_size": lay.tp},
-            "pp_dp": {"parallel.strategy": "ddp", "parallel.pp_size": lay.pp}}[opt.strategy]
+    fields: dict[str, dict[str, str | int]] = {
+        "none": {"parallel.strategy": "none"}, "accum": {"parallel.strategy": "none"},
+        "ddp": {"parallel.strategy": "ddp"}, "fsdp": {"parallel.strategy": "fsdp"},
+        "tp": {"parallel.strategy": replicated, "parallel.tp_size": lay.tp},
+        "pp": {"parallel.strategy": replicated, "parallel.pp_size": lay.pp},
+        "tp_fsdp": {"parallel.strategy": "fsdp", "parallel.tp_size": lay.tp},
+        "pp_dp": {"parallel.strategy": "ddp", "parallel.pp_size": lay.pp}}
+    return fields[opt.strategy]
 
 
 def _option_for(cfg: JobConfig, plan) -> Option:
@@ -133,8 +135,13 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
     if not has_auto(cfg):
         return cfg, []
     n, t = cfg.scaling.num_workers, cfg.train
-    auto_batch = cfg.data.batch_size == "auto"
-    global_batch = t.global_batch_size if auto_batch else cfg.data.batch_size * t.grad_accum_steps * n
+    # None: "auto" (validation lets through an integer or "auto")
+    explicit_batch = cfg.data.batch_size if isinstance(cfg.data.batch_size, int) else None
+    if explicit_batch is None:
+        assert t.global_batch_size is not None, "validation requires it with data.batch_size auto"
+        global_batch = t.global_batch_size
+    else:
+        global_batch = explicit_batch * t.grad_accum_steps * n
     pins = {}
     if cfg.parallel.strategy != "auto":  # only the batch is auto: plan for the given layout
         pins = {"tp": cfg.parallel.tp_size if cfg.parallel.tp_size > 1 else None,
@@ -161,12 +168,13 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
                    f"[memory: {budget}]")
     else:
         opt = _option_for(cfg, plan)
-    if auto_batch:
+    if explicit_batch is None:
         if not opt.applicable or opt.layout is None or not opt.fits:
             need = format_size(opt.estimate.total) if opt.estimate else "n/a"
             raise ConfigError("data.batch_size", "auto", f"a micro-batch that fits under "
                               f"{LABELS[opt.strategy]}: even micro-batch 1 needs {need}, budget {budget}")
         lay = opt.layout
+        assert opt.estimate is not None, "an option fits only with its estimate"
         if global_batch % lay.dp:
             raise ConfigError("train.global_batch_size", global_batch, f"a multiple of the {lay.dp} "
                               f"data-parallel replicas of {LABELS[opt.strategy]} (each takes an equal share)")
@@ -175,8 +183,8 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
                    f"{lay.micro_batches} x {lay.dp} data-parallel replica(s) = global batch "
                    f"{global_batch}: the largest micro-batch dividing {global_batch // lay.dp} that "
                    f"fits ({format_size(opt.estimate.total)} of {budget})")
-    elif opt.fits and opt.layout is not None and cfg.data.batch_size > opt.layout.micro_batch:
-        why.append(f"warning: data.batch_size {cfg.data.batch_size} exceeds the {opt.layout.micro_batch} "
+    elif opt.fits and opt.layout is not None and explicit_batch > opt.layout.micro_batch:
+        why.append(f"warning: data.batch_size {explicit_batch} exceeds the {opt.layout.micro_batch} "
                    f"the memory model fits in {budget}; consider data.batch_size: auto")
     try:
         return cfg.replace(changes), why

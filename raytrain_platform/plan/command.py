@@ -17,7 +17,7 @@ from dataclasses import asdict
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, overload
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
@@ -30,6 +30,10 @@ from raytrain_platform.units import SIZE_HELP, parse_count, parse_size
 __all__ = ["add_plan_arguments", "run_plan", "parse_size", "parse_count", "format_plan", "plan_to_dict"]
 
 
+@overload
+def _int(flag: str, text: str | None, default: int) -> int: ...
+@overload
+def _int(flag: str, text: str | None, default: None = None) -> int | None: ...
 def _int(flag: str, text: str | None, default: int | None = None) -> int | None:
     if text is None:
         return default
@@ -38,7 +42,7 @@ def _int(flag: str, text: str | None, default: int | None = None) -> int | None:
     return int(text)
 
 
-def _one_line_error(message: str) -> None:
+def _one_line_error(message: str) -> NoReturn:
     # argparse's own errors (a flag without its value, an unknown flag) as one line too.
     print(f"error: {message} (see rtp plan --help)", file=sys.stderr)
     raise SystemExit(2)
@@ -80,9 +84,10 @@ def _shape_from_flags(args: argparse.Namespace) -> ModelShape:
     layers, hidden = _int("--layers", args.layers), _int("--hidden", args.hidden)
     heads, seq_len = _int("--heads", args.heads), _int("--seq-len", args.seq_len)
     if args.params is not None:
-        for flag, value in (("--layers", layers), ("--hidden", hidden), ("--seq-len", seq_len)):
-            if value is None:
-                raise ConfigError(flag, None, "an integer >= 1 (needed with --params)")
+        if layers is None or hidden is None or seq_len is None:
+            flag = next(f for f, v in (("--layers", layers), ("--hidden", hidden), ("--seq-len", seq_len))
+                        if v is None)
+            raise ConfigError(flag, None, "an integer >= 1 (needed with --params)")
         _check_heads(hidden, heads)
         return generic_shape(num_params=parse_count("--params", args.params), n_layer=layers,
                              hidden=hidden, seq_len=seq_len, n_head=heads,
@@ -155,6 +160,7 @@ def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
     cfg = load_config(args.config, args.overrides)
     family, kwargs = get_family(cfg.model.name), cfg.model.kwargs
     if family.needs_data(kwargs):  # the data decides some sizes (the mlp's input and output)
+        assert cfg.model.task is not None, "ModelConfig resolves the task when it is built"
         info = describe(SourceSpec.from_config(cfg))
         kwargs = family.fill_from_data(kwargs, num_features=info.num_features,
                                        num_classes=info.num_classes, task=cfg.model.task)
@@ -164,11 +170,13 @@ def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
         if exc.field.startswith(("model.kwargs", "config.json")):
             raise  # names the model's own setting (an hf config.json's model_type, a size)
         raise ConfigError("model.name", cfg.model.name, f"{exc.allowed} (for rtp plan)") from None
-    t, s = cfg.train, cfg.scaling
-    defaults = {"global_batch": t.global_batch_size if cfg.data.batch_size == "auto"
-                else cfg.data.batch_size * t.grad_accum_steps * s.num_workers,
-                "precision": t.precision, "optimizer": t.optimizer, "devices_per_node": s.num_workers,
-                "activation_checkpointing": cfg.parallel.activation_checkpointing}
+    t, s, batch = cfg.train, cfg.scaling, cfg.data.batch_size
+    defaults: dict[str, Any] = {
+        # batch_size auto: the config's global batch
+        "global_batch": (batch * t.grad_accum_steps * s.num_workers if isinstance(batch, int)
+                         else t.global_batch_size),
+        "precision": t.precision, "optimizer": t.optimizer, "devices_per_node": s.num_workers,
+        "activation_checkpointing": cfg.parallel.activation_checkpointing}
     if cfg.model.lora is not None:
         defaults["lora"] = lora_size(shape, r=cfg.model.lora["r"], targets=cfg.model.lora["target_modules"])
     return shape, defaults
@@ -215,8 +223,10 @@ def _lora(args: argparse.Namespace, shape: ModelShape, defaults: dict) -> LoraSi
         t.strip() for t in args.lora_targets.split(",") if t.strip())
     if not targets:
         raise ConfigError("--lora-targets", args.lora_targets, "comma-separated module names, like q_proj,v_proj")
+    r = _int("--lora-r", args.lora_r)
+    assert r is not None, "args.lora_r is set"
     try:
-        return lora_size(shape, r=_int("--lora-r", args.lora_r), targets=targets)
+        return lora_size(shape, r=r, targets=targets)
     except ConfigError as exc:
         if exc.field != "model.lora.target_modules":
             raise
@@ -232,6 +242,11 @@ def _fmt(n: int) -> str:
 
 def plan_to_dict(plan: Plan) -> dict:
     req = plan.request
+    # Full fine-tuning fits nowhere, LoRA does: its strategy and adapters.
+    lora_recommended = None
+    if plan.lora_option is not None:
+        assert plan.lora_size is not None, "make_plan sets lora_option and lora_size together"
+        lora_recommended = {**asdict(plan.lora_size), "option": plan.lora_option.to_dict()}
     return {"model": req.model.to_dict(),
             "request": {k: getattr(req, k) for k in ("device_memory", "devices_per_node", "nodes",
                                                      "global_batch", "precision", "optimizer",
@@ -241,9 +256,7 @@ def plan_to_dict(plan: Plan) -> dict:
             "options": [o.to_dict() for o in plan.options],
             "recommended": plan.recommended.strategy if plan.recommended else None,
             "reasons": list(plan.reasons), "warnings": list(plan.warnings),
-            # Full fine-tuning fits nowhere, LoRA does: its strategy and adapters.
-            "lora_recommended": None if plan.lora_option is None else {
-                **asdict(plan.lora_size), "option": plan.lora_option.to_dict()}}
+            "lora_recommended": lora_recommended}
 
 
 def _kv_heads(m: ModelShape) -> str:

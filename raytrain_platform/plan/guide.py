@@ -156,13 +156,11 @@ def _search(req: PlanRequest, strategy: str, degrees: list[int], build) -> Optio
     """The smallest model-parallel degree that fits (less communication), else the largest."""
     if not degrees:
         return Option(strategy, False, note="no degree fits these devices and this model")
-    best = None
     for degree in degrees:
         layout, est, fits = _fit(req, **build(degree))
-        best = Option(strategy, True, fits, layout, est)
         if fits:
             break
-    return best
+    return Option(strategy, True, fits, layout, est)
 
 
 def _options(req: PlanRequest) -> list[Option]:
@@ -235,14 +233,17 @@ def _fits_one_device(req: PlanRequest, o: dict[str, Option]) -> tuple[Option, li
 
 def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, list[str]]:
     accum = o["accum"]
+    assert accum.estimate is not None, "_options always estimates accum"
     head = f"does not fit one device even at micro-batch 1 ({format_size(accum.estimate.total)} > {format_size(req.budget)})"
     where = " within each node, replicated across nodes" if req.nodes > 1 else ""
     fsdp, tp_fsdp, pp_dp = o["fsdp"], o["tp_fsdp"], o["pp_dp"]
     if fsdp.fits:
+        assert fsdp.layout is not None, "an option fits only with a layout"
         return fsdp, [head + f"; FSDP shards parameters, gradients and optimizer state over "
                       f"{fsdp.layout.shard} devices{where}: {_batch_words(fsdp)}"]
     if tp_fsdp.fits:
         lay = tp_fsdp.layout
+        assert lay is not None, "an option fits only with a layout"
         return tp_fsdp, [head + "; FSDP alone does not fit"
                          + (f" ({_need(fsdp)})" if fsdp.estimate else ""),
                          f"table row '8 GPUs, big model': tensor parallelism of degree {lay.tp} within "
@@ -251,12 +252,14 @@ def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, lis
     for pipe in (pp_dp, o["pp"]):
         if pipe.fits:
             lay = pipe.layout
+            assert lay is not None, "an option fits only with a layout"
             across = "across nodes" if req.nodes > 1 else "within the node"
             return pipe, [head + "; neither FSDP nor TP x FSDP fits",
                           f"table row 'across nodes': a pipeline of {lay.pp} stages ({across}; only "
                           f"activations cross stage boundaries) x {lay.dp} data-parallel replica(s): "
                           f"{lay.micro_batches} micro-batches of {lay.micro_batch} per step"]
-    smallest = min((x for x in o.values() if x.estimate), key=lambda x: x.estimate.total)
+    estimated = [(x.estimate.total, x) for x in o.values() if x.estimate]
+    smallest = min(estimated, key=lambda te: te[0])[1]
     return None, [head + f"; no strategy fits: the smallest is {LABELS[smallest.strategy]} at "
                   f"{_need(smallest)}, budget {format_size(req.budget)}",
                   "more devices or nodes, activation checkpointing, or a smaller model/sequence"]
@@ -336,6 +339,7 @@ def make_plan(*, model: ModelShape, device_memory: int, devices_per_node: int = 
     _validate(req)
     options = _options(req)
     by_name = {o.strategy: o for o in options}
+    rec: Option | None
     if by_name["accum"].fits:
         rec, reasons = _fits_one_device(req, by_name)
     else:

@@ -41,7 +41,9 @@ class AdapterView(nn.Module):
         view = weakref.ref(self)  # not `self`: a cycle would keep the adapters until a GC pass
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return view()._forward(*args, **kwargs)
+            alive = view()
+            assert alive is not None, "called as the view's own attribute: the view is alive"
+            return alive._forward(*args, **kwargs)
 
         # With the base's own signature: serving inspects it (the KV cache argument's name).
         self.forward = functools.wraps(base.forward)(forward)
@@ -96,7 +98,9 @@ class SharedBases:
 
         ckpt = _find_checkpoint(Path(checkpoint))
         cfg = _load_job_config(ckpt)
-        key = run_base(cfg)["sha256"]
+        lora, base_id = cfg.model.lora, run_base(cfg)
+        assert lora is not None and base_id is not None, "called for LoRA runs only (the catalog's lora)"
+        key = base_id["sha256"]
         if key not in self._bases:
             torch.manual_seed(cfg.train.seed)  # a base initialised from the seed, as in training
             base = get_family(cfg.model.name).build(cfg.model.kwargs)
@@ -106,7 +110,7 @@ class SharedBases:
         name = f"m{next(self._loads)}_" + re.sub(r"\W", "_", model_id)  # peft adapter names: no dots
         with warnings.catch_warnings():  # "multiple adapters in the model": that is the intent
             warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
-            inject_adapter_in_model(peft_config(cfg.model.lora), base, adapter_name=name)
+            inject_adapter_in_model(peft_config(lora), base, adapter_name=name)
         attach_adapters(base, read_adapters(ckpt, sharded=bool(read_state(ckpt).get("sharded"))), ckpt=ckpt,
                         adapter=name)
         base.to(self.device)
@@ -121,6 +125,7 @@ class SharedBases:
         base = self._bases.get(key)
         if base is None or name not in self._adapters[key]:
             return
+        module: Any  # peft's LoRA layers among them (peft is not type-checked)
         for module in base.modules():
             if hasattr(module, "lora_A") and name in module.lora_A:
                 module.delete_adapter(name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray.serve import Application
+from ray.serve import Application, Deployment
 
 from raytrain_platform.serve.catalog import load_catalog
 from raytrain_platform.serve.options import ServeOptions, parse_serve_args
@@ -43,7 +43,9 @@ def build_application(catalog: dict[str, dict], options: ServeOptions) -> Applic
     """The deployment bound to an already loaded catalog (see `load_catalog`)."""
     from raytrain_platform.serve.app import ModelServer
 
-    return ModelServer.options(**deployment_options(options)).bind(catalog, options)
+    # @serve.deployment made the class a Deployment; mypy does not apply class decorators.
+    deployment: Deployment = ModelServer  # type: ignore[assignment]
+    return deployment.options(**deployment_options(options)).bind(catalog, options)
 
 
 def app(args: dict) -> Application:

@@ -24,32 +24,36 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, Awaitable, Callable, Hashable
+from typing import Any, Awaitable, Callable, Generic, Hashable, TypeVar
 
 __all__ = ["Coalescer"]
 
-_Entry = tuple[Hashable, list, asyncio.Future]
+_K = TypeVar("_K", bound=Hashable)  # the kind of work
+_T = TypeVar("_T")  # one request's item
+_Entry = tuple[_K, list[_T], asyncio.Future]
 
 
-class Coalescer:
+class Coalescer(Generic[_K, _T]):
     """`submit(key, items)` returns `run(key, merged_items)`'s results for `items`; entries
     of one key waiting together run as one call (in arrival order, at most `max_items`
     items, an entry never split)."""
 
-    def __init__(self, run: Callable[[Hashable, list], Awaitable[list]], max_items: int):
+    def __init__(self, run: Callable[[_K, list[_T]], Awaitable[list]], max_items: int):
         self._run, self._max_items = run, max_items
-        self._pending: deque[_Entry] = deque()
+        self._pending: deque[_Entry[_K, _T]] = deque()
         self._drainer: asyncio.Task | None = None
 
-    async def submit(self, key: Hashable, items: list) -> list:
+    async def submit(self, key: _K, items: list[_T]) -> list:
         future = asyncio.get_running_loop().create_future()
         self._pending.append((key, items, future))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
         return await future
 
-    def _take(self) -> tuple[Hashable, list[_Entry]]:
-        key, taken, count, rest = self._pending[0][0], [], 0, deque()
+    def _take(self) -> tuple[_K, list[_Entry[_K, _T]]]:
+        key, count = self._pending[0][0], 0
+        taken: list[_Entry[_K, _T]] = []
+        rest: deque[_Entry[_K, _T]] = deque()
         for entry in self._pending:
             if entry[0] == key and (not taken or count + len(entry[1]) <= self._max_items):
                 taken.append(entry)

@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -32,7 +32,7 @@ BUILDER_IMPORT_PATH = "raytrain_platform.serve.builder:app"  # the same builder 
 ENGINES = ("torch", "vllm")
 
 
-def _one_line_error(message: str) -> None:
+def _one_line_error(message: str) -> NoReturn:
     # argparse's own errors (a missing path, an unknown flag) as one line too.
     print(f"error: {message} (see rtp serve --help)", file=sys.stderr)
     raise SystemExit(2)

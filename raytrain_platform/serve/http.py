@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from raytrain_platform.errors import UserError, describe_error, first_line
 from raytrain_platform.serve.schemas import ErrorResponse
@@ -71,7 +71,7 @@ class BodySizeLimit:
             return await response(scope, receive, send)
         received = 0
 
-        async def limited_receive() -> dict:
+        async def limited_receive() -> Message:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))

@@ -51,8 +51,9 @@ def prepare(body: CompletionRequest | ChatRequest, entry: dict, tokenizer: Token
     if not ids:
         raise error(400, f"{where}: encodes to no tokens", param=where)
     asked = body.max_tokens if isinstance(body, CompletionRequest) else body.token_limit()
-    explicit = asked is not None and bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
-    if explicit and asked > max_new_tokens:
+    # The client's own limit (None when it set none): a limit it did not set is not refused.
+    explicit = asked if {"max_tokens", "max_completion_tokens"} & body.model_fields_set else None
+    if explicit is not None and explicit > max_new_tokens:
         raise error(400, f"max_tokens: {asked}; at most {max_new_tokens} (the deployment's max_new_tokens)",
                     param="max_tokens")
     if context and (len(ids) >= context if cached else len(ids) > context):
@@ -60,7 +61,7 @@ def prepare(body: CompletionRequest | ChatRequest, entry: dict, tokenizer: Token
                          f"tokens{' (prompt and completion together)' if cached else ''}",
                     param=where, code="context_length_exceeded")
     room = context - len(ids) if context and cached else max_new_tokens
-    if explicit and asked > room:
+    if explicit is not None and explicit > room:
         raise error(400, f"max_tokens: {asked}; this model's maximum context length is {context} tokens and "
                          f"the {where} has {len(ids)}, so at most {room}", param="max_tokens",
                     code="context_length_exceeded")

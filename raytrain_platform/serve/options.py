@@ -136,6 +136,7 @@ def _expand(name: str | None, path: Path) -> list[CheckpointSpec]:
 def parse_checkpoints(value: Any) -> list[CheckpointSpec]:
     specs: list[CheckpointSpec] = []
     for item in _split_specs(value):
+        name: str | None  # None: no NAME=, derived from the path
         name, sep, path = item.partition("=")
         if not sep:
             name, path = None, item

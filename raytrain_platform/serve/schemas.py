@@ -107,9 +107,9 @@ class BatchStats(_Strict):
     answers every request waiting for it (dynamic batching), so `requests / calls` is
     the mean batch."""
 
-    calls: int = Field(0, description="compute calls (model forwards or generation loops)")
-    requests: int = Field(0, description="requests those calls answered")
-    largest: int = Field(0, description="most requests answered by one call")
+    calls: int = Field(default=0, description="compute calls (model forwards or generation loops)")
+    requests: int = Field(default=0, description="requests those calls answered")
+    largest: int = Field(default=0, description="most requests answered by one call")
 
     def record(self, n: int) -> None:
         self.calls, self.requests, self.largest = self.calls + 1, self.requests + n, max(self.largest, n)

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.tune import Callback
 from ray.tune.progress_reporter import ProgressReporter
 
 from raytrain_platform.tune.trial import recorded_reason, release_trial, trial_error
+
+if TYPE_CHECKING:
+    from ray.tune.stopper import Stopper
 
 __all__ = ["TrialTable", "ReleaseStopped", "NoTuneReport", "format_params", "trial_status"]
 
@@ -46,7 +49,9 @@ class TrialTable(Callback):
         self.trials, self.metric = trials, metric
         self._last_step: dict[str, int] = {}
 
-    def setup(self, **info: Any) -> None:  # also after a restore: start a fresh table
+    def setup(self, stop: Stopper | None = None, num_samples: int | None = None,
+              total_num_samples: int | None = None, **info: Any) -> None:
+        # Also after a restore: start a fresh table.
         self._last_step = {}
         self._line("trial", "step", self.metric, "status", "params")
 

@@ -74,8 +74,9 @@ def load_sweep_file(path: str | Path, overrides: list[str] | None = None) -> dic
     config_overrides = []
     for text in overrides or []:
         key, value = parse_override(text)
-        if key in SWEEP_KEYS and SWEEP_KEYS[key]:
-            kwargs[SWEEP_KEYS[key]] = value
+        kw = SWEEP_KEYS.get(key)  # None: a base config field
+        if kw:
+            kwargs[kw] = value
         else:
             config_overrides.append(text)
     return {"base_config": base, "space": data["space"], "overrides": config_overrides, **kwargs}

@@ -52,6 +52,12 @@ class PlannedTrial:
     total_steps: int
     error: str | None = None  # why it is not launched
 
+    @property
+    def launch_config(self) -> dict:
+        """`config`, of a trial that is launched (one without `error`)."""
+        assert self.config is not None, f"{self.name} is not launched: {self.error}"
+        return self.config
+
 
 def _objective(metric: str, mode: str | None) -> tuple[str, str]:
     if not isinstance(metric, str) or not metric:
@@ -117,15 +123,15 @@ def _mark_unfit(trials: list[PlannedTrial], total: dict[str, float]) -> list[Pla
     """Trials that need more than the whole cluster are reported, not launched."""
     out = []
     for t in trials:
-        demand = trial_demand(t.config) if t.config else {}
-        short = {r: n for r, n in demand.items() if n > total.get(r, 0.0)}
-        if short:
-            r, n = next(iter(short.items()))
-            t = PlannedTrial(t.name, t.params, None, 0, (
-                f"scaling = {t.config['scaling']['num_workers']} worker(s) x "
-                f"{t.config['scaling']['cpus_per_worker']} CPU: expected a trial that fits the "
-                f"cluster: it needs {n:g} {r} (driver, workers and Ray Data), the cluster has "
-                f"{total.get(r, 0.0):g}"))
+        if t.config:  # a trial already not launched has no config to fit
+            short = {r: n for r, n in trial_demand(t.config).items() if n > total.get(r, 0.0)}
+            if short:
+                r, n = next(iter(short.items()))
+                t = PlannedTrial(t.name, t.params, None, 0, (
+                    f"scaling = {t.config['scaling']['num_workers']} worker(s) x "
+                    f"{t.config['scaling']['cpus_per_worker']} CPU: expected a trial that fits the "
+                    f"cluster: it needs {n:g} {r} (driver, workers and Ray Data), the cluster has "
+                    f"{total.get(r, 0.0):g}"))
         out.append(t)
     return out
 
@@ -140,7 +146,7 @@ def _scheduler(spec: Any, trials: list[PlannedTrial]):
     if not isinstance(options, dict) or set(options) - {"grace_period", "reduction_factor"}:
         raise ConfigError("scheduler", spec, "fifo, asha, or {asha: {grace_period: N, "
                           "reduction_factor: R}}")
-    eval_every = min(t.config["run"]["eval_every"] for t in trials)
+    eval_every = min(t.launch_config["run"]["eval_every"] for t in trials)
     max_t = max(t.total_steps for t in trials)
     grace = options.get("grace_period", eval_every)
     if not isinstance(grace, int) or not 1 <= grace <= max_t:
@@ -264,7 +270,7 @@ def _finish(rows: list[dict], trials: list[PlannedTrial], axes: list[Axis], *, s
     best = pick_best(rows, metric, mode)
     best_cfg = best_ckpt = None
     if best is not None:
-        config = next(t.config for t in trials if t.name == best["trial"])
+        config = next(t.launch_config for t in trials if t.name == best["trial"])
         best_cfg = write_best_config(sweep_dir / BEST_CONFIG_FILE, config, sweep=name,
                                      trial=best["trial"], metric=metric, value=best[metric],
                                      storage_path=base_storage)
@@ -350,7 +356,7 @@ def _run(trials: list[PlannedTrial], axes: list[Axis], *, emit, sweep_dir: Path,
                         f"{trials[0].name}: {trials[0].error}")
     _record_plan(sweep_dir, {"metric": metric, "mode": mode, "scheduler": scheduler,
                              "trials": [asdict(t) for t in trials]})
-    concurrency = max_concurrency([trial_demand(t.config) for t in runnable],
+    concurrency = max_concurrency([trial_demand(t.launch_config) for t in runnable],
                                   ray.available_resources(), max_concurrent)
     for t in trials:
         if t.error:
