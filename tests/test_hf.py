@@ -119,6 +119,36 @@ def test_bad_model_directories_are_one_line_exit_2_before_ray(tmp_path, tiny):
         assert lines[0].startswith(f"error: {field} = ") and needle in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("model_type, written, tp, needle", [
+    # mistral without head counts: transformers builds 32 heads / 8 KV heads
+    ("mistral", {}, 16, "num_attention_heads (32) and num_key_value_heads (8)"),
+    ("mistral", {}, 8, None),
+    # llama: a null num_key_value_heads is num_attention_heads (as transformers reads it)
+    ("llama", {"num_attention_heads": 16, "num_key_value_heads": None}, 16, None),
+    ("llama", {"num_attention_heads": 16, "num_key_value_heads": None}, 32,
+     "num_attention_heads (16) and num_key_value_heads (16)"),
+])
+def test_tp_check_reads_head_counts_as_transformers_builds_them(tmp_path, model_type, written, tp, needle):
+    """The TP divisibility check uses the head counts the model is built with when
+    config.json leaves them out, checked here against transformers' own config class."""
+    from transformers import AutoConfig
+
+    from raytrain_platform.errors import ConfigError
+    from raytrain_platform.models import get_family
+
+    arch = {"mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"}[model_type]
+    config = {"model_type": model_type, "architectures": [arch], **written}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    built = AutoConfig.from_pretrained(str(tmp_path), local_files_only=True)
+    if needle:
+        assert f"({built.num_attention_heads})" in needle and f"({built.num_key_value_heads})" in needle
+        with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            get_family("hf").check_model_parallel({"path": str(tmp_path)}, tp=tp, pp=1, stages=1, pp_split=None)
+    else:
+        assert built.num_attention_heads % tp == 0 and built.num_key_value_heads % tp == 0
+        get_family("hf").check_model_parallel({"path": str(tmp_path)}, tp=tp, pp=1, stages=1, pp_split=None)
+
+
 def test_a_directory_transformers_does_not_know_is_refused_before_ray(tmp_path, tiny):
     d = tmp_path / "unknown"
     shutil.copytree(tiny["model"], d)

@@ -222,11 +222,13 @@ class HFFamily(ModelFamily):
         if model_type not in TP_MODEL_TYPES:
             raise ConfigError("parallel.tp_size", tp, f"1 for model_type {model_type!r} (a tensor-parallel plan "
                               f"exists for {list(TP_MODEL_TYPES)})")
-        from raytrain_platform.models.hf_shapes import CONFIG_DEFAULTS
+        from raytrain_platform.models.hf_shapes import hf_config_shape
 
-        # A config.json may leave it out: transformers' default for the type then
-        heads = config.get("num_attention_heads", CONFIG_DEFAULTS[model_type]["num_attention_heads"])
-        kv_heads = config.get("num_key_value_heads") or heads
+        # The head counts the model is built with, as the planner reads them: what a
+        # config.json leaves out comes from transformers' defaults for its type (32 and 8
+        # for mistral), a null num_key_value_heads is num_attention_heads.
+        shape = hf_config_shape(config)
+        heads, kv_heads = shape.n_head, shape.n_kv_head or shape.n_head
         if heads % tp or kv_heads % tp:
             raise ConfigError("parallel.tp_size", tp, f"a divisor of num_attention_heads ({heads}) and "
                               f"num_key_value_heads ({kv_heads}): each TP rank holds whole heads")

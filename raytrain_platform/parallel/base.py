@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Protocol
 
 from torch import nn
 
-__all__ = ["Parallelized", "CommCounter"]
+__all__ = ["Parallelized", "CommCount", "CommCounter"]
+
+
+class CommCount(Protocol):
+    """What the engine reads: gradient collectives so far (a counter, or a sum of them)."""
+
+    @property
+    def calls(self) -> int: ...
 
 
 @dataclass
@@ -18,10 +25,6 @@ class CommCounter:
 
     calls: int = 0
 
-    def take(self) -> int:
-        n, self.calls = self.calls, 0
-        return n
-
 
 @dataclass
 class Parallelized:
@@ -29,7 +32,7 @@ class Parallelized:
     base: nn.Module  # the unwrapped model: its state_dict names are the checkpoint's
     no_sync: Callable[[], ContextManager] = contextlib.nullcontext
     sharded: bool = False  # True: each rank holds only its shard (checkpoint with DCP)
-    comm: CommCounter = field(default_factory=CommCounter)
+    comm: CommCount = field(default_factory=CommCounter)
     # Model parallel (tp/pp) only; None keeps the engine's plain path.
     clip_grad_norm: Callable[[float], float] | None = None  # max_norm -> total norm, all ranks
     pipeline: Any = None  # a PipelineRunner (parallel/pp.py): runs forward+backward itself

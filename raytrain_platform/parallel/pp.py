@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from raytrain_platform.parallel.base import CommCounter, Parallelized
+from raytrain_platform.parallel.base import CommCount, CommCounter, Parallelized
 from raytrain_platform.parallel.dims import PP_SCHEDULES, stage_blocks
 from raytrain_platform.parallel.grads import allreduce_grads, clip_grad_norm
 from raytrain_platform.models.family import PipelineLayout
@@ -65,14 +65,15 @@ def _merge(parts: list[nn.Module], layout: PipelineLayout) -> nn.Module:
     return holder
 
 
-class _SummedCounter(CommCounter):
-    """The gradient collectives of several stages' data-parallel wrappers together."""
+class _SummedCounter:
+    """The gradient collectives of several stages' data-parallel wrappers together: read
+    only (a `CommCount`); each collective increments its own stage's counter."""
 
-    def __init__(self, counters: list[CommCounter]):  # noqa: D107 - no dataclass fields set
+    def __init__(self, counters: list[CommCount]):
         self.counters = counters
 
     @property
-    def calls(self) -> int:  # type: ignore[override]  # read-only: a sum, never incremented itself
+    def calls(self) -> int:
         return sum(c.calls for c in self.counters)
 
 
@@ -159,12 +160,13 @@ def apply_pp(model: nn.Module, *, env, cfg, mesh: DeviceMesh, layout: PipelineLa
                             has_last=n_stages - 1 in stage_ids, device=env.device)
     runner.schedule = _schedule(cfg.pp_schedule, stages, chunks, runner.chunk_loss)
     holder = parts[0] if per_rank == 1 else _merge(parts, layout)
-    comm = wrapped[0].comm if per_rank == 1 else _SummedCounter([w.comm for w in wrapped])
+    counts = [w.comm for w in wrapped]  # each stage's own collectives (FSDP's reduce-scatters)
     if mesh["dp"].size() > 1 and cfg.strategy == "ddp":
-        # Counted on the first stage's counter: `comm` may be a read-only sum of them.
-        runner.grad_sync = _counted_allreduce(holder, mesh["dp"].get_group(), wrapped[0].comm)
+        synced = CommCounter()  # the flat all-reduce of all this rank's stages, once per step
+        runner.grad_sync = _counted_allreduce(holder, mesh["dp"].get_group(), synced)
+        counts.append(synced)
     return Parallelized(
-        module=holder, base=holder, sharded=True, comm=comm,
+        module=holder, base=holder, sharded=True, comm=_SummedCounter(counts),
         clip_grad_norm=lambda max_norm: clip_grad_norm(holder.parameters(), max_norm,
                                                        stage_group=pp_mesh.get_group()),
         pipeline=runner, loss_ranks=mesh["dp"].size() * mesh["tp"].size())
