@@ -85,6 +85,12 @@ class ModelConfig:
         if self.lora is not None:
             self.lora = resolve_lora(self.lora)
 
+    @property
+    def resolved_task(self) -> str:
+        """`task` as ``__post_init__`` settled it (the family's own when the config gave none)."""
+        assert self.task is not None, "ModelConfig.__post_init__ resolves the task from its family"
+        return self.task
+
 
 @dataclass
 class DataConfig:

@@ -95,9 +95,8 @@ def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False,
     cfg = _load_job_config(ckpt)
     family = get_family(cfg.model.name)
     if servable:  # asked before the model is built: no user code imported for a refusal
-        assert cfg.model.task is not None, "ModelConfig resolves the task when it is built"
         try:
-            family.serving(cfg.model.kwargs, cfg.model.task)
+            family.serving(cfg.model.kwargs, cfg.model.resolved_task)
         except ConfigError as exc:
             raise CheckpointError(f"{ckpt}: model.name = {cfg.model.name!r}: not servable "
                                   f"(expected {exc.allowed})") from None

@@ -91,9 +91,8 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
         check_fits(spec.token_spec(), vocab_size=family.vocab_size(cfg.model.kwargs),
                    max_positions=family.max_seq_len(cfg.model.kwargs))
     info = describe(spec)
-    assert cfg.model.task is not None, "ModelConfig resolves the task from its family"
     kwargs = family.fill_from_data(cfg.model.kwargs, num_features=info.num_features,
-                                   num_classes=info.num_classes, task=cfg.model.task)
+                                   num_classes=info.num_classes, task=cfg.model.resolved_task)
     if kwargs != cfg.model.kwargs:
         cfg = cfg.replace({"model.kwargs": kwargs})
     # User builders: imported, called with their kwargs on the meta device (no memory).

@@ -81,8 +81,7 @@ class Engine:
         self.run_dir = run_dir
         self.profiler = profiler  # `rtp doctor`'s measured runs (core/profile.py)
         self.family = get_family(self.cfg.model.name)
-        assert self.cfg.model.task is not None, "ModelConfig resolves the task from its family"
-        self.task = get_task(self.cfg.model.task, self.cfg.model.name)
+        self.task = get_task(self.cfg.model.resolved_task, self.cfg.model.name)
         self.par = self._build(resuming=resuming)
         # Data-parallel coordinates: ranks of one TP/PP group read the same micro-batches.
         dims = ParallelDims.from_config(self.cfg)

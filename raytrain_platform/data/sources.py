@@ -100,8 +100,7 @@ class SourceSpec:
     def from_config(cls, cfg: "JobConfig") -> "SourceSpec":
         d, m, tokens = cfg.data, cfg.model, cfg.seq_len  # tokens: None unless lm (then required)
         seq_len = tokens + 1 if tokens is not None else 0  # + 1: targets are inputs shifted by one
-        assert m.task is not None, "ModelConfig resolves the task from its family"
-        return cls(kind=d.source, task=m.task, val_fraction=d.val_fraction, seq_len=seq_len,
+        return cls(kind=d.source, task=m.resolved_task, val_fraction=d.val_fraction, seq_len=seq_len,
                    path=d.path, val_path=d.val_path, glob=d.glob, max_files=d.max_files,
                    num_samples=d.num_samples, num_features=d.num_features,
                    num_classes=d.num_classes, seed=d.seed,

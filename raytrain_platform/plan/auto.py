@@ -103,8 +103,7 @@ def _shape(cfg: JobConfig) -> ModelShape:
 
 # plan option -> config fields, given the option's layout
 def _strategy_fields(opt: Option) -> dict[str, str | int]:
-    lay = opt.layout
-    assert lay is not None
+    lay = opt.fitted_layout
     replicated = "none" if lay.dp == 1 else "ddp"
     fields: dict[str, dict[str, str | int]] = {
         "none": {"parallel.strategy": "none"}, "accum": {"parallel.strategy": "none"},

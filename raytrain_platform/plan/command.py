@@ -160,10 +160,9 @@ def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
     cfg = load_config(args.config, args.overrides)
     family, kwargs = get_family(cfg.model.name), cfg.model.kwargs
     if family.needs_data(kwargs):  # the data decides some sizes (the mlp's input and output)
-        assert cfg.model.task is not None, "ModelConfig resolves the task when it is built"
         info = describe(SourceSpec.from_config(cfg))
         kwargs = family.fill_from_data(kwargs, num_features=info.num_features,
-                                       num_classes=info.num_classes, task=cfg.model.task)
+                                       num_classes=info.num_classes, task=cfg.model.resolved_task)
     try:
         shape = family.shape(kwargs, seq_len=cfg.seq_len)
     except ConfigError as exc:

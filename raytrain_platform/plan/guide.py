@@ -81,6 +81,12 @@ class Option:
     note: str = ""
 
     @property
+    def fitted_layout(self) -> Layout:
+        """`layout` of an option that was sized (one that fits always was)."""
+        assert self.layout is not None, f"{self.strategy} has no layout ({self.note or 'not sized'})"
+        return self.layout
+
+    @property
     def grad_accum_steps(self) -> int:
         return self.layout.micro_batches if self.layout else 0
 
@@ -197,8 +203,7 @@ def _need(o: Option) -> str:
 
 
 def _batch_words(o: Option) -> str:
-    assert o.layout is not None
-    lay = o.layout
+    lay = o.fitted_layout
     if lay.micro_batches == 1:
         return f"batch {lay.micro_batch} per replica"
     return f"micro-batch {lay.micro_batch} x {lay.micro_batches} accumulation steps per replica"
@@ -238,12 +243,10 @@ def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, lis
     where = " within each node, replicated across nodes" if req.nodes > 1 else ""
     fsdp, tp_fsdp, pp_dp = o["fsdp"], o["tp_fsdp"], o["pp_dp"]
     if fsdp.fits:
-        assert fsdp.layout is not None, "an option fits only with a layout"
         return fsdp, [head + f"; FSDP shards parameters, gradients and optimizer state over "
-                      f"{fsdp.layout.shard} devices{where}: {_batch_words(fsdp)}"]
+                      f"{fsdp.fitted_layout.shard} devices{where}: {_batch_words(fsdp)}"]
     if tp_fsdp.fits:
-        lay = tp_fsdp.layout
-        assert lay is not None, "an option fits only with a layout"
+        lay = tp_fsdp.fitted_layout
         return tp_fsdp, [head + "; FSDP alone does not fit"
                          + (f" ({_need(fsdp)})" if fsdp.estimate else ""),
                          f"table row '8 GPUs, big model': tensor parallelism of degree {lay.tp} within "
@@ -251,8 +254,7 @@ def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, lis
                          f"over {lay.shard}{where}: {_batch_words(tp_fsdp)}"]
     for pipe in (pp_dp, o["pp"]):
         if pipe.fits:
-            lay = pipe.layout
-            assert lay is not None, "an option fits only with a layout"
+            lay = pipe.fitted_layout
             across = "across nodes" if req.nodes > 1 else "within the node"
             return pipe, [head + "; neither FSDP nor TP x FSDP fits",
                           f"table row 'across nodes': a pipeline of {lay.pp} stages ({across}; only "
