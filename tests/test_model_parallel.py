@@ -65,8 +65,8 @@ LAYOUTS = {
                                  data={"batch_size": 4}, train=accum(2))),
     "pp2_ddp2_accum2": (4, dict(parallel={"pp_size": 2, "strategy": "ddp", "pp_split": [1, 3]},
                                 data={"batch_size": 4}, train=accum(2))),
-    # Two stages per rank under DDP: the gradient all-reduce is counted on one of them
-    # (this layout crashed at its first sync once, when it was counted on their sum).
+    # Two stages per rank under DDP: one flat all-reduce over both per step (this layout
+    # once crashed at its first sync, incrementing a read-only sum of the stages' counters).
     "pp2_interleaved_ddp2": (4, dict(parallel={"pp_size": 2, "pp_schedule": "interleaved_1f1b",
                                                "pp_microbatches": 4, "strategy": "ddp"},
                                      data={"batch_size": 4}, train=accum(2))),
