@@ -527,12 +527,30 @@ class JobConfig:
             _set_path(data, key, value)
         return JobConfig.from_dict(data)
 
+    @property
+    def global_batch(self) -> int:
+        """Samples in one optimizer step over all ranks: ``data.batch_size`` x
+        ``train.grad_accum_steps`` x the data-parallel size (the ranks of one TP/PP group
+        read the same micro-batches, so it is not ``num_workers`` under TP or PP), or
+        ``train.global_batch_size`` while the batch is ``auto``.
+
+        >>> cfg = load_config({"model": {"name": "gpt"}, "data": {"source": "synthetic", "batch_size": 4},
+        ...                    "train": {"max_steps": 1, "grad_accum_steps": 2}, "run": {"name": "doc"},
+        ...                    "scaling": {"num_workers": 4}, "parallel": {"strategy": "fsdp", "tp_size": 2}})
+        >>> cfg.global_batch  # 4 x 2 x (4 workers / tp 2)
+        16
+        """
+        d, t = self.data, self.train
+        if isinstance(d.batch_size, int):
+            return d.batch_size * t.grad_accum_steps * ParallelDims.from_config(self).dp
+        assert t.global_batch_size is not None, "validation requires it with data.batch_size auto"
+        return t.global_batch_size
+
     def summary(self) -> str:
         t, d, s = self.train, self.data, self.scaling
         stop = " / ".join(x for x in (
             f"{t.max_steps} steps" if t.max_steps else "", f"{t.epochs} epochs" if t.epochs else "") if x)
-        global_batch = (t.global_batch_size if d.batch_size == "auto"
-                        else d.batch_size * t.grad_accum_steps * ParallelDims.from_config(self).dp)
+        global_batch = self.global_batch
         lora = self.model.lora
         adapters = (f" with LoRA r {lora['r']} on {', '.join(lora['target_modules'])} (only the adapters train)"
                     if lora else "")

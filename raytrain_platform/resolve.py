@@ -37,10 +37,9 @@ class ResolvedJob:
     notes: tuple[str, ...] = ()  # what the `auto` fields became, and why (plan/auto.py)
 
     @property
-    def rows_per_step(self) -> int:
-        """Samples in one optimizer step over all ranks (the global batch)."""
-        c = self.config
-        return ParallelDims.from_config(c).dp * c.data.micro_batch * c.train.grad_accum_steps
+    def global_batch(self) -> int:
+        """Samples in one optimizer step over all ranks (`JobConfig.global_batch`)."""
+        return self.config.global_batch
 
     def at_world_size(self, world: int) -> "ResolvedJob":
         """This job on the `world` workers an elastic run got: accumulation makes up the

@@ -53,7 +53,7 @@ def test_micro_batch_is_the_largest_that_fits(tmp_path):
     micro, accum = cfg.data.batch_size, cfg.train.grad_accum_steps
     assert micro * accum * 2 == 64 and accum > 1  # the global batch is kept, accumulation derived
     assert _total(micro, dp=2) <= budget < _total(2 * micro, dp=2)
-    assert job.rows_per_step == 64
+    assert job.global_batch == 64
     assert "data.batch_size auto -> " in job.notes[-1]
 
 

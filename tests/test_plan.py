@@ -278,6 +278,15 @@ def test_cli_reads_a_job_config(tmp_path):
     assert out["request"]["global_batch"] == 32 and out["request"]["precision"] == "bf16"
     assert out["model"]["num_params"] == GPTSpec(**GPT_SMALL).num_params()
     assert out["recommended"] == "ddp"
+    # Under TP (and PP) the ranks of one model replica share their micro-batches: the global
+    # batch is batch x accumulation x the data-parallel size (2 of 4 workers here), as the
+    # run itself counts a step (JobConfig.global_batch), not x the 4 workers.
+    cfg["scaling"] = {"num_workers": 4}
+    cfg["parallel"] = {"strategy": "fsdp", "tp_size": 2}
+    path.write_text(yaml.safe_dump(cfg))
+    proc = _rtp(str(path), "--device-mem", "1GiB", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["request"]["global_batch"] == 8 * 2 * 2
 
 
 @pytest.mark.parametrize("args,flag", [

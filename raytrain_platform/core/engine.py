@@ -150,7 +150,7 @@ class Engine:
         self.state = load_checkpoint(directory, par=self.par, optimizer=self.optimizer,
                                      device=self.env.device, world_size=self.data_world,
                                      batch_size=self.cfg.data.micro_batch,
-                                     epoch_rows=self.job.steps_per_epoch * self.job.rows_per_step,
+                                     epoch_rows=self.job.steps_per_epoch * self.job.global_batch,
                                      base=self.base)
 
     def save(self, directory: str, metrics: dict) -> None:

@@ -145,7 +145,7 @@ def _record_workers(run_dir: str, env: DistEnv, job: ResolvedJob) -> None:
     write_json(path, {"attempts": attempts})
     if s.min_workers is not None or len(attempts) > 1:  # elastic, or restarted after a failure
         print(f"attempt {len(attempts)}: {env.world_size} worker(s), grad_accum_steps "
-              f"{t.grad_accum_steps} (global batch {job.rows_per_step})", flush=True)
+              f"{t.grad_accum_steps} (global batch {job.global_batch})", flush=True)
 
 
 def train_loop_per_worker(loop_config: dict) -> None:

@@ -169,11 +169,9 @@ def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
         if exc.field.startswith(("model.kwargs", "config.json")):
             raise  # names the model's own setting (an hf config.json's model_type, a size)
         raise ConfigError("model.name", cfg.model.name, f"{exc.allowed} (for rtp plan)") from None
-    t, s, batch = cfg.train, cfg.scaling, cfg.data.batch_size
+    t, s = cfg.train, cfg.scaling
     defaults: dict[str, Any] = {
-        # batch_size auto: the config's global batch
-        "global_batch": (batch * t.grad_accum_steps * s.num_workers if isinstance(batch, int)
-                         else t.global_batch_size),
+        "global_batch": cfg.global_batch,
         "precision": t.precision, "optimizer": t.optimizer, "devices_per_node": s.num_workers,
         "activation_checkpointing": cfg.parallel.activation_checkpointing}
     if cfg.model.lora is not None:
