@@ -274,9 +274,10 @@ class Engine:
         return last or (every > 0 and self.state.step % every == 0)
 
     def fit(self, source: BatchSource, reporter: Reporter, *, log: MetricsLog | None = None) -> dict:
-        cfg, accum = self.cfg, self.cfg.train.grad_accum_steps
-        total, profiler = self.job.total_steps, self.profiler
-        val_cache: list[Batch] | None = None
+        """Train from the current state to ``total_steps``: whole optimizer steps over each
+        epoch's dealt micro-batches, with metrics, evaluation and checkpoints when due."""
+        cfg, accum, total = self.cfg, self.cfg.train.grad_accum_steps, self.job.total_steps
+        val_cache: list[Batch] | None = None  # read once, at the first evaluation
         last_metrics: dict = {}
         self.par.module.train()
         if self.state.batches_in_epoch >= self.job.steps_per_epoch * accum:
@@ -287,39 +288,11 @@ class Engine:
             it = self._epoch_iter(source)
             while self.state.step < total:
                 _reseed(_seed_for(cfg.train.seed, self.state.step, self.data_rank), self.env.device)
-                loss_sum, n_units = torch.zeros((), device=self.env.device), 0
-                comm_before = self.par.comm.calls
-                mode = profiler.mode(self.state.step) if profiler else None
-                # breakdown steps sync gradients after backward, where the strategy can
-                sync_grads = self.par.sync_grads if mode == "breakdown" else None
-                apart = sync_grads is not None
-                t_step, compute = time.perf_counter(), 0.0
+                comm_before, started = self.par.comm.calls, time.perf_counter()
                 batches, data_wait = self._step_batches(it, accum)
                 if len(batches) < accum:  # end of epoch (only whole steps are dealt, so none)
                     break
-                scale = self.loss_scale(batches)
-                for micro, batch in enumerate(batches):
-                    if profiler and mode:
-                        profiler.see(self.state.epoch, batch["sample_id"])
-                    n_units += batch["sample_id"].numel() * self.task.units_per_sample(batch)
-                    t1 = time.perf_counter()
-                    loss_sum += self.micro_step(batch, scale=scale, sync=micro == accum - 1 and not apart)
-                    compute += self._since(t1, mode)
-                t2 = time.perf_counter()
-                if sync_grads is not None:
-                    sync_grads()
-                comm = self._since(t2, mode)
-                t3 = time.perf_counter()
-                grad_norm = self.optimizer_step(loss_sum)
-                if profiler and mode:
-                    profiler.record(step=self.state.step, mode=mode, data_wait_s=data_wait,
-                                    compute_s=compute, comm_s=comm if apart else None,
-                                    optimizer_s=self._since(t3, mode),
-                                    step_s=self._since(t_step, mode),
-                                    samples=accum * cfg.data.micro_batch)
-                self.state.step += 1
-                self.state.batches_in_epoch += accum
-                self.state.samples_seen += accum * cfg.data.micro_batch * self.data_world
+                loss_sum, n_units, grad_norm = self.train_step(batches, started=started, data_wait=data_wait)
                 window["steps"] += 1
                 window["wait"] += data_wait
                 window["units"] += n_units
@@ -327,29 +300,69 @@ class Engine:
                 if not (self._due(cfg.run.log_every, last) or self._due(cfg.run.eval_every, last)
                         or self._due(cfg.run.checkpoint_every, last)):
                     continue
-                elapsed = time.perf_counter() - t_prev
-                metrics = self._step_metrics(loss_sum, elapsed, window, grad_norm,
+                metrics = self._step_metrics(loss_sum, time.perf_counter() - t_prev, window, grad_norm,
                                              self.par.comm.calls - comm_before)
                 if self._due(cfg.run.eval_every, last) and self.job.data.num_val:
                     if val_cache is None:
                         val_cache = source.val_batches(cfg.run.eval_batches)
                     metrics.update(self.evaluate(val_cache))
+                self._publish(metrics, reporter, log, checkpoint=self._due(cfg.run.checkpoint_every, last))
                 last_metrics = metrics
-                save = None
-                if self._due(cfg.run.checkpoint_every, last) and not self.step_skipped:
-                    save = lambda d, m=metrics: self.save(d, m)  # noqa: E731
-                if log is not None and self.env.is_rank0:
-                    log.append(metrics)
-                reporter.report(metrics, save)
                 t_prev = time.perf_counter()
                 window = {"steps": 0, "wait": 0.0, "units": 0}
             else:
                 break
             self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
-        if profiler:
-            profiler.finish(rank=self.env.rank, world_size=self.env.world_size,
-                            data_rank=self.data_rank, run_dir=self.run_dir)
+        if self.profiler:
+            self.profiler.finish(rank=self.env.rank, world_size=self.env.world_size,
+                                 data_rank=self.data_rank, run_dir=self.run_dir)
         return last_metrics
+
+    def train_step(self, batches: list[Batch], *, started: float, data_wait: float) -> tuple[torch.Tensor, int, float]:
+        """One optimizer step over its micro-batches (on the device): forward and backward
+        each, sync the gradients, update, and advance the state; a profiled step records
+        its phases (`started` is when the step began waiting for `batches`, `data_wait`
+        how long it waited). Returns the loss sum, the units (tokens, rows) and the
+        gradient norm."""
+        accum, profiler = len(batches), self.profiler
+        mode = profiler.mode(self.state.step) if profiler else None
+        # breakdown steps sync gradients after backward, where the strategy can
+        sync_grads = self.par.sync_grads if mode == "breakdown" else None
+        apart = sync_grads is not None
+        loss_sum, n_units, compute = torch.zeros((), device=self.env.device), 0, 0.0
+        scale = self.loss_scale(batches)
+        for micro, batch in enumerate(batches):
+            if profiler and mode:
+                profiler.see(self.state.epoch, batch["sample_id"])
+            n_units += batch["sample_id"].numel() * self.task.units_per_sample(batch)
+            t1 = time.perf_counter()
+            loss_sum += self.micro_step(batch, scale=scale, sync=micro == accum - 1 and not apart)
+            compute += self._since(t1, mode)
+        t2 = time.perf_counter()
+        if sync_grads is not None:
+            sync_grads()
+        comm = self._since(t2, mode)
+        t3 = time.perf_counter()
+        grad_norm = self.optimizer_step(loss_sum)
+        if profiler and mode:
+            profiler.record(step=self.state.step, mode=mode, data_wait_s=data_wait,
+                            compute_s=compute, comm_s=comm if apart else None,
+                            optimizer_s=self._since(t3, mode), step_s=self._since(started, mode),
+                            samples=accum * self.cfg.data.micro_batch)
+        self.state.step += 1
+        self.state.batches_in_epoch += accum
+        self.state.samples_seen += accum * self.cfg.data.micro_batch * self.data_world
+        return loss_sum, n_units, grad_norm
+
+    def _publish(self, metrics: dict, reporter: Reporter, log: MetricsLog | None, *, checkpoint: bool) -> None:
+        """Log the metrics (rank 0) and report them, with a checkpoint when one is due and
+        this step updated the weights (a skipped non-finite step saves nothing)."""
+        save = None
+        if checkpoint and not self.step_skipped:
+            save = lambda d, m=metrics: self.save(d, m)  # noqa: E731
+        if log is not None and self.env.is_rank0:
+            log.append(metrics)
+        reporter.report(metrics, save)
 
     def _since(self, t0: float, mode: str | None) -> float:
         """Seconds since `t0`; when profiling, after the device has finished its queued work."""
