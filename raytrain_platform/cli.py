@@ -19,6 +19,7 @@ import importlib
 import sys
 from typing import Callable
 
+from raytrain_platform.config import add_set_flag
 from raytrain_platform.errors import UserError, describe_error, first_line, user_cause
 
 __all__ = ["main"]
@@ -26,8 +27,7 @@ __all__ = ["main"]
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="path to the job's YAML config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set train.lr=3e-4 (repeatable)")
+    add_set_flag(p)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ No torch or Ray import here: validation runs before any Ray resource is asked fo
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -45,6 +46,7 @@ __all__ = [
     "TRACKERS",
     "load_config",
     "apply_overrides",
+    "add_set_flag",
 ]
 
 _REQUIRED: Any = dataclasses.MISSING
@@ -671,6 +673,13 @@ def _set_path(data: dict, dotted: str, value: Any) -> None:
         _check(isinstance(nxt, dict), dotted, value, f"a path into a mapping ('{part}' is not one)")
         node = nxt
     node[parts[-1]] = value
+
+
+def add_set_flag(parser: argparse.ArgumentParser,
+                 help: str = "override a config field, e.g. --set train.lr=3e-4 (repeatable)") -> None:
+    """The ``--set KEY=VALUE`` flag of every command that takes a config (its values, in
+    ``args.overrides``, go to `load_config` and `parse_override`)."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from raytrain_platform.config import load_config
+from raytrain_platform.config import add_set_flag, load_config
 from raytrain_platform.core.dist import barrier, init_torchrun
 from raytrain_platform.core.engine import run_training
 from raytrain_platform.data.local import LocalBatches
@@ -49,7 +49,7 @@ class LocalReporter:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m raytrain_platform.core")
     p.add_argument("--config", required=True)
-    p.add_argument("--set", dest="overrides", action="append", default=[])
+    add_set_flag(p)
     args = p.parse_args(argv)
     try:
         # The worker count is torchrun's, set before validation (tp/pp sizes must divide it).

@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 
+from raytrain_platform.config import add_set_flag
 from raytrain_platform.errors import ConfigError
 
 __all__ = ["add_doctor_arguments", "run_doctor"]
@@ -19,8 +20,7 @@ def _counts(text: str) -> list[int]:
 
 def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="path to the job's YAML config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field (repeatable)")
+    add_set_flag(p)
     p.add_argument("--workers", default=None,
                    help="worker counts to measure, e.g. 1,2 (default: 1, 2 and more while the "
                         "cluster has room, up to max(2, scaling.num_workers))")

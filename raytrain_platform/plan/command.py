@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, overload
 
+from raytrain_platform.config import add_set_flag
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
 from raytrain_platform.plan.lora import DEFAULT_TARGETS, LoraSize, lora_size
@@ -51,7 +52,7 @@ def _one_line_error(message: str) -> NoReturn:
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.error = _one_line_error  # type: ignore[method-assign]
     p.add_argument("config", nargs="?", help="a job's YAML config (model, batch, precision from it)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_set_flag(p, help="with CONFIG: override a config field, e.g. --set model.kwargs.n_layer=24 (repeatable)")
     p.add_argument("--model", help=f"{', '.join(family_names())}, a preset: {', '.join(PRESETS)}, "
                    "or hf:DIR (a Hugging Face model folder: its config.json)")
     for flag, what in (("--params", "parameter count (7B, 125M, 6.7e9)"), ("--layers", "blocks"),

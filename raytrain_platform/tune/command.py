@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from raytrain_platform.config import parse_override
+from raytrain_platform.config import add_set_flag, parse_override
 from raytrain_platform.errors import ConfigError
 
 __all__ = ["SWEEP_KEYS", "add_sweep_arguments", "load_sweep_file", "run_sweep"]
@@ -35,9 +35,8 @@ SWEEP_KEYS = {"name": "name", "base": None, "space": None, "metric": "metric", "
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep_file", metavar="SWEEP.yaml", help="the sweep file (base config + space)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a sweep key (num_samples=4) or a base config field "
-                        "(train.max_steps=50); repeatable")
+    add_set_flag(p, help="override a sweep key (num_samples=4) or a base config field "
+                         "(train.max_steps=50); repeatable")
     p.add_argument("--address", default=None,
                    help="Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)")
     p.add_argument("--verbose", action="store_true", help="show Ray's own logs too")
