@@ -351,7 +351,7 @@ class Engine:
                             samples=accum * self.cfg.data.micro_batch)
         self.state.step += 1
         self.state.batches_in_epoch += accum
-        self.state.samples_seen += accum * self.cfg.data.micro_batch * self.data_world
+        self.state.samples_seen += self.job.global_batch
         return loss_sum, n_units, grad_norm
 
     def _publish(self, metrics: dict, reporter: Reporter, log: MetricsLog | None, *, checkpoint: bool) -> None:
@@ -378,10 +378,10 @@ class Engine:
         packed = all_reduce_sum(torch.stack([loss_sum.float(), torch.tensor(
             float(window["units"]), device=loss_sum.device)]))
         # Each data-parallel group's loss and units are counted on `copies` ranks (TP/PP).
-        world, steps = self.data_world, window["steps"]
-        copies = self.env.world_size // world
+        steps = window["steps"]
+        copies = self.env.world_size // self.data_world
         step_time = elapsed / steps
-        samples = self.cfg.train.grad_accum_steps * self.cfg.data.micro_batch * world * steps
+        samples = self.job.global_batch * steps
         metrics = {
             "step": self.state.step,
             "epoch": self.state.epoch,
