@@ -463,8 +463,7 @@ class JobConfig:
             _check(t.grad_accum_steps == 1, "train.grad_accum_steps", t.grad_accum_steps,
                    "1 (unset) when data.batch_size is auto: it is derived from the global batch")
         elif t.global_batch_size is not None:  # given beside an explicit batch: must agree
-            dp = self.scaling.num_workers if par.strategy == "auto" else ParallelDims.from_config(self).dp
-            product = self.data.batch_size * t.grad_accum_steps * dp
+            dp, product = ParallelDims.from_config(self).dp, self.global_batch  # strategy auto: tp, pp 1
             _check(t.global_batch_size == product, "train.global_batch_size", t.global_batch_size,
                    f"null, or data.batch_size ({self.data.batch_size}) x train.grad_accum_steps "
                    f"({t.grad_accum_steps}) x data-parallel workers ({dp}) = {product}")

@@ -104,7 +104,9 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
         cfg, notes = resolve_auto(cfg, hardware or local_hardware(cfg))
     # Data-parallel ranks: the ranks of one TP/PP group read the same micro-batches.
     world, batch, accum = ParallelDims.from_config(cfg).dp, cfg.data.micro_batch, cfg.train.grad_accum_steps
-    per_step = world * batch * accum
+    ranks = (f"scaling.num_workers ({world})" if world == cfg.scaling.num_workers else
+             f"data-parallel ranks ({world}: scaling.num_workers {cfg.scaling.num_workers} / "
+             f"(tp_size x pp_size))")
     if info.num_train == 0:
         raise DataError(f"data.source = {cfg.data.source!r}: the training split is empty")
     # Each epoch deals whole rounds of one micro-batch per rank (see data/ray_data.py);
@@ -114,12 +116,11 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
     if steps_per_epoch == 0:
         raise DataError(
             f"the training split has {info.num_train} rows, fewer than one optimizer step needs: "
-            f"scaling.num_workers ({world}) x data.batch_size ({batch}) x train.grad_accum_steps "
-            f"({accum}) = {per_step}")
+            f"{ranks} x data.batch_size ({batch}) x train.grad_accum_steps ({accum}) = {cfg.global_batch}")
     has_val = cfg.data.val_fraction > 0 or cfg.data.val_path
     if has_val and info.num_val < world * batch:
         raise DataError(
-            f"the validation split has {info.num_val} rows, fewer than scaling.num_workers ({world}) "
+            f"the validation split has {info.num_val} rows, fewer than {ranks} "
             f"x data.batch_size ({batch}) = {world * batch}; raise data.val_fraction, or set it to 0 "
             "to skip validation")
     if cfg.scaling.elastic:

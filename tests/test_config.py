@@ -160,3 +160,24 @@ def test_readme_documents_every_config_key():
     missing = [f"{section}.{f.name}" for section, cls in _SECTIONS.items()
                for f in dataclasses.fields(cls) if f"`{section}.{f.name}`" not in readme]
     assert not missing, f"README config reference lacks {missing}"
+
+
+def test_too_little_data_names_the_data_parallel_ranks():
+    """Under TP the ranks of one group share micro-batches: a step needs data-parallel
+    ranks x batch x accumulation rows, and the message says how the ranks are counted."""
+    from raytrain_platform.errors import DataError
+    from raytrain_platform.resolve import resolve_job
+
+    base = {"model": {"name": "gpt", "kwargs": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16}},
+            "data": {"source": "synthetic", "num_samples": 12, "batch_size": 8, "val_fraction": 0.0},
+            "train": {"max_steps": 1, "grad_accum_steps": 1}, "run": {"name": "small"},
+            "scaling": {"num_workers": 2}}
+    # 12 rows feed one TP 2 step (1 data-parallel rank x 8), not one DDP 2 step (2 x 8).
+    assert resolve_job(load_config({**base, "parallel": {"tp_size": 2}})).global_batch == 8
+    with pytest.raises(DataError, match=r"scaling\.num_workers \(2\) x data\.batch_size \(8\) x "
+                                        r"train\.grad_accum_steps \(1\) = 16$"):
+        resolve_job(load_config({**base, "parallel": {"strategy": "ddp"}}))
+    base["data"]["num_samples"] = 6
+    with pytest.raises(DataError, match=r"data-parallel ranks \(1: scaling\.num_workers 2 / \(tp_size x "
+                                        r"pp_size\)\) x data\.batch_size \(8\) x train\.grad_accum_steps \(1\) = 8$"):
+        resolve_job(load_config({**base, "parallel": {"tp_size": 2}}))

@@ -324,7 +324,8 @@ class Engine:
         its phases (`started` is when the step began waiting for `batches`, `data_wait`
         how long it waited). Returns the loss sum, the units (tokens, rows) and the
         gradient norm."""
-        accum, profiler = len(batches), self.profiler
+        accum, profiler = self.cfg.train.grad_accum_steps, self.profiler
+        assert len(batches) == accum, "a whole step: fit deals only whole steps"
         mode = profiler.mode(self.state.step) if profiler else None
         # breakdown steps sync gradients after backward, where the strategy can
         sync_grads = self.par.sync_grads if mode == "breakdown" else None

@@ -136,11 +136,8 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
     n, t = cfg.scaling.num_workers, cfg.train
     # None: "auto" (validation lets through an integer or "auto")
     explicit_batch = cfg.data.batch_size if isinstance(cfg.data.batch_size, int) else None
-    if explicit_batch is None:
-        assert t.global_batch_size is not None, "validation requires it with data.batch_size auto"
-        global_batch = t.global_batch_size
-    else:
-        global_batch = explicit_batch * t.grad_accum_steps * n
+    # An explicit batch with strategy auto: tp and pp are 1 until the plan picks, so x n workers.
+    global_batch = cfg.global_batch
     pins = {}
     if cfg.parallel.strategy != "auto":  # only the batch is auto: plan for the given layout
         pins = {"tp": cfg.parallel.tp_size if cfg.parallel.tp_size > 1 else None,

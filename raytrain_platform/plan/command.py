@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, overload
 
-from raytrain_platform.config import add_set_flag
+from raytrain_platform.config import add_set_flag, load_config
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
 from raytrain_platform.plan.lora import DEFAULT_TARGETS, LoraSize, lora_size
@@ -152,7 +152,6 @@ def _family_shape_from_flags(name: str, *, layers: int | None, hidden: int | Non
 
 def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
     """The model and the defaults (batch, precision, optimizer, workers) from a job config."""
-    from raytrain_platform.config import load_config
     from raytrain_platform.data.sources import SourceSpec, describe
 
     if args.model or args.params:
