@@ -198,14 +198,14 @@ def _build(preset: dict, *, compile_blocks: bool, env):
         job = _job(preset, gpu=env.device.type == "cuda", world=env.world_size, folder=Path(folder))
         engine = Engine(job, env)
         pool = _batches(job, min(64, preset["batch"] * 4), env.device)
-    blocks = [block for _, block in engine.family.blocks(engine.par.base)]  # gpt blocks, decoder layers
+    blocks = [block for _, block in engine.family.blocks(engine.wrapped.base)]  # gpt blocks, decoder layers
     if compile_blocks:
         # torchtitan compiles per transformer block (each an FSDP unit); identical blocks
         # share one compiled graph, so every block needs its own cache entry at most.
         torch._dynamo.config.cache_size_limit = max(64, 2 * len(blocks))
         for block in blocks:
             block.compile()
-    return engine, pool, flop_shape(preset["family"], engine.par.base, preset["model"])
+    return engine, pool, flop_shape(preset["family"], engine.wrapped.base, preset["model"])
 
 
 def train_run(name: str, *, compile_blocks: bool, env, deadline: float) -> dict:
@@ -213,7 +213,7 @@ def train_run(name: str, *, compile_blocks: bool, env, deadline: float) -> dict:
     preset = PRESETS[name]
     t0 = time.perf_counter()
     engine, pool, shape = _build(preset, compile_blocks=compile_blocks, env=env)
-    n_params = sum(p.numel() for p in engine.par.module.parameters())
+    n_params = sum(p.numel() for p in engine.wrapped.module.parameters())
     B, T = preset["batch"], preset["seq_len"]
     build_s = time.perf_counter() - t0
     losses: list[torch.Tensor] = []

@@ -47,7 +47,7 @@ class TrainState:
     samples_seen: int = 0  # over all ranks
 
 
-def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim.Optimizer,
+def save_checkpoint(directory: str | os.PathLike, *, wrapped, optimizer: torch.optim.Optimizer,
                     state: TrainState, lr: float, config_yaml: str, metrics: dict,
                     is_rank0: bool, world_size: int = 1, batch_size: int = 0,
                     base: dict | None = None) -> None:
@@ -62,14 +62,14 @@ def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    if par.sharded:
-        save_sharded(d, module=par.module, optimizer=optimizer, adapters_only=base is not None)
+    if wrapped.sharded:
+        save_sharded(d, module=wrapped.module, optimizer=optimizer, adapters_only=base is not None)
     else:
         # Parameter names, not positions: the same file then loads into an FSDP model.
-        optim_state = get_optimizer_state_dict(par.base, optimizer)
+        optim_state = get_optimizer_state_dict(wrapped.base, optimizer)
         if is_rank0:
-            keep = _trainable(par.base) if base is not None else None
-            write_state(d / WEIGHTS_FILE, {k: v for k, v in par.base.state_dict().items()
+            keep = _trainable(wrapped.base) if base is not None else None
+            write_state(d / WEIGHTS_FILE, {k: v for k, v in wrapped.base.state_dict().items()
                                            if keep is None or k in keep}, version=str(FORMAT_VERSION))
             torch.save(optim_state, d / OPTIM_FILE)
     if not is_rank0:
@@ -83,7 +83,7 @@ def save_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
     write_json(d / STATE_FILE, {"format_version": FORMAT_VERSION, "state": asdict(state),
                                 "layout": {"world_size": world_size, "batch_size": batch_size},
                                 "scheduler": {"step": state.step, "lr": lr},
-                                "metrics": metrics, "sharded": bool(par.sharded), "files": files,
+                                "metrics": metrics, "sharded": bool(wrapped.sharded), "files": files,
                                 **({"base": base} if base is not None else {})})
 
 
@@ -152,11 +152,11 @@ def read_weights(directory: str | os.PathLike, model: torch.nn.Module,
     return weights
 
 
-def load_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim.Optimizer,
+def load_checkpoint(directory: str | os.PathLike, *, wrapped, optimizer: torch.optim.Optimizer,
                     device: torch.device, world_size: int = 1, batch_size: int = 0,
                     epoch_rows: int = 0, base: dict | None = None) -> TrainState:
     """Restore model and optimizer in place, whatever format the checkpoint has and
-    whatever strategy and world size `par` has; returns the train state to continue
+    whatever strategy and world size `wrapped` has; returns the train state to continue
     from, its data position converted to this world size and micro-batch. With `base`
     (a LoRA run), only the adapters are read, after checking they were trained on it."""
     data = read_state(directory)
@@ -166,19 +166,19 @@ def load_checkpoint(directory: str | os.PathLike, *, par, optimizer: torch.optim
     if data.get("sharded"):
         from raytrain_platform.core.sharded import load_sharded
 
-        load_sharded(directory, module=par.module, optimizer=optimizer, adapters_only=base is not None)
+        load_sharded(directory, module=wrapped.module, optimizer=optimizer, adapters_only=base is not None)
     else:
-        _load_unsharded(directory, data, par=par, optimizer=optimizer, device=device,
+        _load_unsharded(directory, data, wrapped=wrapped, optimizer=optimizer, device=device,
                         adapters_only=base is not None)
     return _map_position(directory, data, world_size=world_size, batch_size=batch_size,
                          epoch_rows=epoch_rows)
 
 
-def _load_unsharded(directory, data: dict, *, par, optimizer, device, adapters_only: bool = False) -> None:
+def _load_unsharded(directory, data: dict, *, wrapped, optimizer, device, adapters_only: bool = False) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    weights = read_weights(directory, par.base, keys=_trainable(par.base) if adapters_only else None)
+    weights = read_weights(directory, wrapped.base, keys=_trainable(wrapped.base) if adapters_only else None)
     optim_path = Path(directory) / OPTIM_FILE
     if not optim_path.is_file():
         raise CheckpointError(f"{directory}: no {OPTIM_FILE} (partial checkpoint)")
@@ -187,21 +187,21 @@ def _load_unsharded(directory, data: dict, *, par, optimizer, device, adapters_o
     except Exception as exc:  # refuses pickled code: weights_only allows tensors and plain data
         raise CheckpointError(f"{optim_path}: refused or unreadable ({str(exc).splitlines()[0]})") from None
     if data.get("format_version", 1) < 2:  # optimizer state keyed by position
-        if par.sharded:
+        if wrapped.sharded:
             raise CheckpointError(f"{directory}: format 1 checkpoint; resume it with the "
                                   "strategy that wrote it (none/ddp)")
-        par.base.load_state_dict(weights)
+        wrapped.base.load_state_dict(weights)
         optimizer.load_state_dict(optim_state)
         return
-    if par.sharded:  # full tensors in, each rank keeps its shard
+    if wrapped.sharded:  # full tensors in, each rank keeps its shard
         full = StateDictOptions(full_state_dict=True, strict=not adapters_only,
                                 ignore_frozen_params=adapters_only)
         # torch annotates an invariant dict[str, ValueType] where any tensor mapping is read
-        set_model_state_dict(par.module, weights, options=full)  # type: ignore[arg-type]
-        set_optimizer_state_dict(par.module, optimizer, optim_state, options=full)
+        set_model_state_dict(wrapped.module, weights, options=full)  # type: ignore[arg-type]
+        set_optimizer_state_dict(wrapped.module, optimizer, optim_state, options=full)
     else:
-        par.base.load_state_dict(weights, strict=not adapters_only)
-        set_optimizer_state_dict(par.base, optimizer, optim_state)
+        wrapped.base.load_state_dict(weights, strict=not adapters_only)
+        set_optimizer_state_dict(wrapped.base, optimizer, optim_state)
 
 
 def _map_position(directory, data: dict, *, world_size: int, batch_size: int,

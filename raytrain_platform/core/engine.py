@@ -82,11 +82,11 @@ class Engine:
         self.profiler = profiler  # `rtp doctor`'s measured runs (core/profile.py)
         self.family = get_family(self.cfg.model.name)
         self.task = get_task(self.cfg.model.resolved_task, self.cfg.model.name)
-        self.par = self._build(resuming=resuming)
+        self.wrapped = self._build(resuming=resuming)
         # Data-parallel coordinates: ranks of one TP/PP group read the same micro-batches.
         dims = ParallelDims.from_config(self.cfg)
         self.data_world, self.data_rank = dims.dp, dims.data_rank(env.rank)
-        self.optimizer = build_optimizer(self.par.module, self.cfg.train)
+        self.optimizer = build_optimizer(self.wrapped.module, self.cfg.train)
         self.state = TrainState()
         self._memory: dict[str, int] | None = None  # measured once, at the first optimizer step
         self.autocast = (torch.autocast(device_type=env.device.type, dtype=torch.bfloat16)
@@ -147,15 +147,15 @@ class Engine:
     # ------------------------------------------------------------ state
 
     def restore(self, directory: str) -> None:
-        self.state = load_checkpoint(directory, par=self.par, optimizer=self.optimizer,
+        self.state = load_checkpoint(directory, wrapped=self.wrapped, optimizer=self.optimizer,
                                      device=self.env.device, world_size=self.data_world,
                                      batch_size=self.cfg.data.micro_batch,
                                      epoch_rows=self.job.steps_per_epoch * self.job.global_batch,
                                      base=self.base)
 
     def save(self, directory: str, metrics: dict) -> None:
-        self.nonfinite.check_weights(self.par.module, step=self.state.step)  # never save NaN weights
-        save_checkpoint(directory, par=self.par, optimizer=self.optimizer, state=self.state,
+        self.nonfinite.check_weights(self.wrapped.module, step=self.state.step)  # never save NaN weights
+        save_checkpoint(directory, wrapped=self.wrapped, optimizer=self.optimizer, state=self.state,
                         lr=self.optimizer.param_groups[0]["lr"], config_yaml=self._config_yaml,
                         metrics=metrics, is_rank0=self.env.is_rank0,
                         world_size=self.data_world, batch_size=self.cfg.data.micro_batch, base=self.base)
@@ -190,13 +190,13 @@ class Engine:
         mean over this micro-batch alone, for a step of one micro-batch)."""
         inputs, targets = self.task.split(batch)
         scale = self.loss_scale([batch]) if scale is None else scale
-        if self.par.pipeline is not None:  # PP: the schedule runs forward and backward
+        if self.wrapped.pipeline is not None:  # PP: the schedule runs forward and backward
             with self.autocast:
-                return self.par.pipeline.train(
+                return self.wrapped.pipeline.train(
                     inputs, targets, lambda out, tgt: self.task.loss_sum(out, tgt) * scale, sync=sync)
-        with contextlib.nullcontext() if sync else self.par.no_sync():
+        with contextlib.nullcontext() if sync else self.wrapped.no_sync():
             with self.autocast:
-                loss = self.task.loss_sum(self.par.module(inputs), targets) * scale
+                loss = self.task.loss_sum(self.wrapped.module(inputs), targets) * scale
             loss.backward()
         return loss.detach()
 
@@ -207,16 +207,16 @@ class Engine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         grad_norm = 0.0
-        if self.cfg.train.grad_clip > 0 and self.par.clip_grad_norm is not None:  # TP / PP
-            grad_norm = self.par.clip_grad_norm(self.cfg.train.grad_clip)
+        if self.cfg.train.grad_clip > 0 and self.wrapped.clip_grad_norm is not None:  # TP / PP
+            grad_norm = self.wrapped.clip_grad_norm(self.cfg.train.grad_clip)
         elif self.cfg.train.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.par.module.parameters(), self.cfg.train.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.wrapped.module.parameters(), self.cfg.train.grad_clip)
             full = getattr(norm, "full_tensor", None)  # a DTensor (FSDP2): the global norm
             grad_norm = float(full() if full else norm)
         clipped = self.cfg.train.grad_clip > 0
         self.step_skipped = not self.nonfinite.step_ok(
             torch.zeros(()) if loss_sum is None else loss_sum, grad_norm if clipped else None,
-            self.par.module.parameters(), step=self.state.step + 1)
+            self.wrapped.module.parameters(), step=self.state.step + 1)
         if self.step_skipped:  # weights and optimizer state stay as they were
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
@@ -229,23 +229,23 @@ class Engine:
     def _measure_memory(self) -> dict[str, int]:
         """This rank's bytes of parameters, gradients and optimizer state: exact, from
         the local shards (a DTensor counts only its ``to_local()`` part)."""
-        held = state_bytes(self.par.module, self.optimizer)
+        held = state_bytes(self.wrapped.module, self.optimizer)
         return {"param_bytes": held["params"], "grad_bytes": held["grads"],
                 "optim_bytes": held["optimizer"], **self.param_counts}
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> dict[str, float]:
-        self.par.module.eval()
+        self.wrapped.module.eval()
         sums = torch.zeros(3)
         for batch in batches:
             inputs, targets = self.task.split(self._to_device(batch))
             with self.autocast:
-                if self.par.pipeline is not None:  # sums on the last stage, zeros before it
-                    sums += self.par.pipeline.evaluate(inputs, targets, self.task.eval_sums).cpu()
+                if self.wrapped.pipeline is not None:  # sums on the last stage, zeros before it
+                    sums += self.wrapped.pipeline.evaluate(inputs, targets, self.task.eval_sums).cpu()
                     continue
-                outputs = self.par.module(inputs)
+                outputs = self.wrapped.module(inputs)
             sums += self.task.eval_sums(outputs, targets).cpu()
-        self.par.module.train()
+        self.wrapped.module.train()
         return self.task.eval_metrics(all_reduce_sum(sums.to(self.env.device)).cpu())
 
     # ------------------------------------------------------------ loop
@@ -279,7 +279,7 @@ class Engine:
         cfg, accum, total = self.cfg, self.cfg.train.grad_accum_steps, self.job.total_steps
         val_cache: list[Batch] | None = None  # read once, at the first evaluation
         last_metrics: dict = {}
-        self.par.module.train()
+        self.wrapped.module.train()
         if self.state.batches_in_epoch >= self.job.steps_per_epoch * accum:
             self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
         t_prev = time.perf_counter()
@@ -288,7 +288,7 @@ class Engine:
             it = self._epoch_iter(source)
             while self.state.step < total:
                 _reseed(_seed_for(cfg.train.seed, self.state.step, self.data_rank), self.env.device)
-                comm_before, started = self.par.comm.calls, time.perf_counter()
+                comm_before, started = self.wrapped.comm.calls, time.perf_counter()
                 batches, data_wait = self._step_batches(it, accum)
                 if len(batches) < accum:  # end of epoch (only whole steps are dealt, so none)
                     break
@@ -301,7 +301,7 @@ class Engine:
                         or self._due(cfg.run.checkpoint_every, last)):
                     continue
                 metrics = self._step_metrics(loss_sum, time.perf_counter() - t_prev, window, grad_norm,
-                                             self.par.comm.calls - comm_before)
+                                             self.wrapped.comm.calls - comm_before)
                 if self._due(cfg.run.eval_every, last) and self.job.data.num_val:
                     if val_cache is None:
                         val_cache = source.val_batches(cfg.run.eval_batches)
@@ -328,7 +328,7 @@ class Engine:
         assert len(batches) == accum, "a whole step: fit deals only whole steps"
         mode = profiler.mode(self.state.step) if profiler else None
         # breakdown steps sync gradients after backward, where the strategy can
-        sync_grads = self.par.sync_grads if mode == "breakdown" else None
+        sync_grads = self.wrapped.sync_grads if mode == "breakdown" else None
         apart = sync_grads is not None
         loss_sum, n_units, compute = torch.zeros((), device=self.env.device), 0, 0.0
         scale = self.loss_scale(batches)
@@ -386,7 +386,7 @@ class Engine:
         metrics = {
             "step": self.state.step,
             "epoch": self.state.epoch,
-            "loss": float(packed[0]) / (self.par.loss_ranks or self.env.world_size),
+            "loss": float(packed[0]) / (self.wrapped.loss_ranks or self.env.world_size),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm,
             "samples_per_s": samples / elapsed,

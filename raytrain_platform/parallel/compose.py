@@ -3,7 +3,7 @@ pipeline split, then tensor parallel, then activation checkpointing, then FSDP o
 Strategy files do not call each other; what the model contributes (its blocks, its
 tensor-parallel plan, its pipeline split) comes from its family (models/family.py).
 
-    par = parallelize(model, env=env, cfg=cfg.parallel, family=get_family("gpt"),
+    wrapped = parallelize(model, env=env, cfg=cfg.parallel, family=get_family("gpt"),
                       model_kwargs=cfg.model.kwargs)
 """
 
@@ -62,12 +62,12 @@ def _tensor_parallel(model: nn.Module, *, env, cfg, mesh, plan: dict[str, str], 
     apply_tp(model, mesh=mesh["tp"], plan=plan, sequence_parallel=cfg.sequence_parallel,
              reshard_grads=dp == 1)
     if dp > 1:
-        par = get_strategy("fsdp").load()(model, env=env, cfg=cfg, mesh=mesh["dp"], blocks=blocks(model))
+        wrapped = get_strategy("fsdp").load()(model, env=env, cfg=cfg, mesh=mesh["dp"], blocks=blocks(model))
     else:
-        par = Parallelized(module=model, base=model)
-    par.sharded = True  # DTensor shards: checkpoint with DCP
-    par.clip_grad_norm = lambda max_norm: clip_grad_norm(model.parameters(), max_norm)
-    return par
+        wrapped = Parallelized(module=model, base=model)
+    wrapped.sharded = True  # DTensor shards: checkpoint with DCP
+    wrapped.clip_grad_norm = lambda max_norm: clip_grad_norm(model.parameters(), max_norm)
+    return wrapped
 
 
 def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks) -> Parallelized:

@@ -131,24 +131,24 @@ def measure(*, model_name: str, strategy: str = "none", parallel: dict | None = 
     # Before building: an impossible layout (TP of an mlp) is a ConfigError, not a crash.
     est = estimate_memory(model=shape, layout=layout, precision=precision, optimizer=optimizer,
                           pp_rank=pp_rank)
-    par = parallelize(model, env=env, cfg=par_cfg, family=family, model_kwargs=family.resolve_kwargs(kwargs or {}))
-    opt = build_optimizer(par.base, TrainConfig(max_steps=1, optimizer=optimizer, precision=precision))
+    wrapped = parallelize(model, env=env, cfg=par_cfg, family=family, model_kwargs=family.resolve_kwargs(kwargs or {}))
+    opt = build_optimizer(wrapped.base, TrainConfig(max_steps=1, optimizer=optimizer, precision=precision))
     inputs, targets = _batch(shape, micro_batch)
     task = get_task("lm" if shape.kind == "transformer" else "classification")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     act_bytes: int | None = None
-    if par.pipeline is not None:  # the schedule runs forward and backward of every chunk
+    if wrapped.pipeline is not None:  # the schedule runs forward and backward of every chunk
         with autocast:
-            par.pipeline.train(inputs, targets, task.loss)
+            wrapped.pipeline.train(inputs, targets, task.loss)
     else:
         def forward() -> Any:
             with autocast:
-                return task.loss(par.module(inputs), targets)
+                return task.loss(wrapped.module(inputs), targets)
 
-        loss, act_bytes = _saved_activation_bytes(forward, list(par.base.parameters()))
+        loss, act_bytes = _saved_activation_bytes(forward, list(wrapped.base.parameters()))
         loss.backward()
     opt.step()
-    measured = {**state_bytes(par.base, opt), "activations": act_bytes}
+    measured = {**state_bytes(wrapped.base, opt), "activations": act_bytes}
     # What autograd saves under autocast includes the bf16 weight copies (overhead).
     saved = est.activations + dict(est.overhead_parts).get("bf16_weight_copies", 0)
     return {"estimated_saved": saved, "model": model_name, "strategy": par_cfg.strategy,
