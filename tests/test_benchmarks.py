@@ -107,3 +107,26 @@ def test_vs_accelerate_smoke(tmp_path):
     assert len(entry["losses_accelerate"]) == result["steps"]
     # Measured: equal to 5 decimals (fused vs default AdamW differ only in rounding).
     assert entry["loss_max_abs_diff_ray"] < 1e-3 and entry["loss_max_abs_diff_torchrun"] < 1e-3, entry
+
+
+@pytest.mark.extended  # two Ray Train runs and one torchrun run, tiny: ~1 min
+def test_ray_overhead_smoke(tmp_path):
+    """Where a 2-process run's time goes (Linux scheduler statistics), through Ray and
+    under torchrun: the training threads' shares of wall time add up, both training
+    processes are found, and Ray's other processes are counted only on the Ray side."""
+    import os
+
+    args = ["benchmarks/ray_overhead.py", "--smoke", "--out", str(tmp_path / "o.json")]
+    out = _run(args + ([] if os.geteuid() == 0 else ["--no-sched-idle"]))
+    assert "| 2 processes | step s |" in out
+    result = json.loads((tmp_path / "o.json").read_text())
+    for side in ("ray", "torchrun"):
+        run, = result["runs"][side]
+        assert len(run["training_threads"]) == 2 and run["step_s"] > 0, run
+        for t in run["training_threads"]:
+            assert 0 < t["on_cpu"] <= 1 and 0 <= t["runq_wait"] <= 1, t
+            assert abs(t["on_cpu"] + t["runq_wait"] + t["off_cpu"] - 1) < 0.02, t
+    assert result["ray"]["ray_processes"]["count"] >= 5, result["ray"]
+    assert result["torchrun"]["ray_processes"]["count"] == 0, result["torchrun"]
+    if os.geteuid() == 0:
+        assert result["sched_idle"]["helper_threads_set"] > 0 and result["sched_idle"]["sched_idle_step_s"] > 0
