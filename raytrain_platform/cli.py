@@ -62,7 +62,8 @@ def _cmd_make_data(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from raytrain_platform.export import export_checkpoint
 
-    out = export_checkpoint(args.path, args.out, format=args.format, max_shard_size=args.max_shard_size)
+    out = export_checkpoint(args.path, args.out, format=args.format, max_shard_size=args.max_shard_size,
+                            trust_builder=args.trust_builder)
     if args.format == "hf":
         print(f"exported {out} (Hugging Face layout: config.json, safetensors, tokenizer, export.json)")
     elif args.format == "peft":
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors: for rtp serve; hf: a Hugging Face directory (hf models); "
                    "peft: a LoRA run's adapters for peft.PeftModel.from_pretrained (the others merge them)")
     p.add_argument("--max-shard-size", default="5GB", help="hf: safetensors shard size (then an index)")
+    p.add_argument("--trust-builder", action="store_true",
+                   help="load a run whose model.name is a Python import path (a user builder): building "
+                        "it imports and calls the code its config names")
     p.set_defaults(fn=_cmd_export)
     for name, module, add_arguments, run, help_text in _PACKAGE_COMMANDS:
         mod = importlib.import_module(module)  # light: torch and Ray load when the command runs

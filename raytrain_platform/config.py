@@ -50,7 +50,9 @@ __all__ = [
 ]
 
 _REQUIRED: Any = dataclasses.MISSING
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # fullmatch: "$" lets a final newline in
+SEED_LIMIT = 2**32  # numpy's and every generator's range; torch takes it too
+SEED_ALLOWED = "an integer from 0 to 2**32 - 1"
 # Experiment trackers `run.tracking` accepts; raytrain_platform/tracking/ implements each.
 TRACKERS: tuple[str, ...] = ("mlflow", "tensorboard")
 
@@ -163,6 +165,9 @@ class DataConfig:
                "an integer >= 1 or null")
         _check(self.seq_len is None or self.seq_len >= 1, "data.seq_len", self.seq_len,
                "an integer >= 1 or null (the model's context)")
+        for name in ("seed", "shuffle_seed"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value < SEED_LIMIT, f"data.{name}", value, SEED_ALLOWED)
         _check(self.prefetch_batches >= 0, "data.prefetch_batches", self.prefetch_batches,
                "an integer >= 0")
         _check(self.shuffle_buffer >= 0, "data.shuffle_buffer", self.shuffle_buffer,
@@ -231,6 +236,7 @@ class TrainConfig:
         _check(self.global_batch_size is None or self.global_batch_size >= 1, "train.global_batch_size",
                self.global_batch_size, "an integer >= 1 or null")
         _check(self.lr > 0, "train.lr", self.lr, "a number > 0")
+        _check(0 <= self.seed < SEED_LIMIT, "train.seed", self.seed, SEED_ALLOWED)
         _check(self.optimizer in ("adamw", "sgd"), "train.optimizer", self.optimizer,
                "one of ['adamw', 'sgd']")
         _check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "a number >= 0")
@@ -377,7 +383,7 @@ class RunConfig:
         return {**data, "tracking": []} if "tracking" in data and value is None else data
 
     def __post_init__(self) -> None:
-        _check(bool(_RUN_NAME.match(self.name)), "run.name", self.name,
+        _check(bool(_RUN_NAME.fullmatch(self.name)), "run.name", self.name,
                "1-128 characters of letters, digits, '_', '-', '.' starting with a letter or digit")
         _check(bool(self.storage_path), "run.storage_path", self.storage_path, "a non-empty path")
         _check(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every,
@@ -507,7 +513,7 @@ class JobConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "JobConfig":
         _check(isinstance(data, dict), "config", type(data).__name__, "a mapping of sections")
-        unknown = sorted(set(data) - set(_SECTIONS))
+        unknown = sorted(set(data) - set(_SECTIONS), key=str)
         _check(not unknown, unknown[0] if unknown else "", data.get(unknown[0]) if unknown else None,
                f"no such section; sections are {list(_SECTIONS)}")
         missing = [s for s in ("model", "data", "train", "run") if s not in data]
@@ -718,7 +724,9 @@ def load_config(source: str | os.PathLike | dict | JobConfig,
         if not path.is_file():
             raise ConfigError("config", str(path), "an existing YAML file")
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError("config", str(path), f"a UTF-8 YAML file (byte {exc.start} is not UTF-8)") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""

@@ -28,6 +28,8 @@ from raytrain_platform.core.weights import load_safetensors
 from raytrain_platform.errors import CheckpointError, ConfigError
 from raytrain_platform.models.lora import ADAPTER, is_adapter, merge_lora
 from raytrain_platform.models.registry import get_family
+from raytrain_platform.models.user import IMPORT_PATH
+from raytrain_platform.units import parse_size
 from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE, latest_checkpoint, write_json
 
 __all__ = ["export_checkpoint", "load_model_for_inference", "load_hf_directory", "is_hf_directory",
@@ -48,26 +50,50 @@ def _find_checkpoint(path: Path) -> Path:
                           f"directory with a complete checkpoint, nor an export (no {EXPORT_INFO_FILE})")
 
 
-def _load_job_config(ckpt: Path) -> JobConfig:
+TRUST_HINT = "--trust-builder (trust_builder=True)"
+
+
+def _load_job_config(ckpt: Path, *, trust_builder: bool = False) -> JobConfig:
+    """The run's config. A run whose ``model.name`` is a Python import path (a user
+    builder) names code that building its model imports and calls: refused unless the
+    caller trusts the directory (`trust_builder`), as `transformers` refuses remote code.
+    A run directory from elsewhere could otherwise name any installed function."""
     path = ckpt / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{ckpt}: no {CONFIG_FILE} (partial checkpoint)")
     try:
-        return load_config(yaml.safe_load(path.read_text()))
-    except (ConfigError, yaml.YAMLError) as exc:
-        raise CheckpointError(f"{path}: unusable config ({exc})") from None
+        raw = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        if not isinstance(raw, dict):
+            raise ConfigError("config", type(raw).__name__, "a mapping of sections (model, data, train, ...)")
+        cfg = load_config(raw)
+    except (ConfigError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: unusable config ({_one_line(exc)})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    if IMPORT_PATH.match(cfg.model.name) and not trust_builder:
+        raise CheckpointError(f"{path}: model.name {cfg.model.name!r} is a Python import path: loading "
+                              f"this run imports and calls it; pass {TRUST_HINT} if you trust this "
+                              "run directory")
+    return cfg
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def _read_export_info(directory: Path) -> dict:
     try:
         info = json.loads((directory / EXPORT_INFO_FILE).read_text())
-        return {"step": int(info["step"]), "metrics": dict(info.get("metrics") or {})}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        step, metrics = info["step"], info.get("metrics") or {}
+        if type(step) is not int or step < 0 or not isinstance(metrics, dict):
+            raise ValueError(f"step {step!r} (expected an integer >= 0) or metrics not an object")
+        return {"step": step, "metrics": metrics}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{directory / EXPORT_INFO_FILE}: unreadable ({exc})") from None
 
 
-def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False, merge_adapters: bool = True
-                             ) -> tuple[nn.Module, JobConfig, dict]:
+def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False, merge_adapters: bool = True,
+                             trust_builder: bool = False) -> tuple[nn.Module, JobConfig, dict]:
     """The model a run directory (its latest checkpoint), a checkpoint (sharded or not)
     or an export holds, its weights loaded without running code, in eval mode on the CPU.
 
@@ -76,6 +102,8 @@ def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False,
     a model its family cannot serve is refused before the model is built.
     A missing, partial or mismatched checkpoint is a `CheckpointError`. A LoRA run's
     adapters are merged into its base (`merge_adapters`, the default), or kept apart.
+    A run of a user builder (``model.name: "pkg.module:fn"``) is loaded only with
+    `trust_builder`: building it imports and calls what its config names.
 
     >>> model, cfg, info = load_model_for_inference("runs/quickstart")   # doctest: +SKIP
     >>> info["step"], cfg.model.name                                      # doctest: +SKIP
@@ -92,7 +120,7 @@ def load_model_for_inference(path: str | os.PathLike, *, servable: bool = False,
         state = read_state(ckpt)
         step_metrics = {"step": state["state"]["step"], "metrics": state.get("metrics", {})}
         sharded = bool(state.get("sharded"))
-    cfg = _load_job_config(ckpt)
+    cfg = _load_job_config(ckpt, trust_builder=trust_builder)
     family = get_family(cfg.model.name)
     if servable:  # asked before the model is built: no user code imported for a refusal
         try:
@@ -148,20 +176,27 @@ def load_hf_directory(path: Path) -> tuple[nn.Module, dict]:
 
 
 def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = None, *,
-                      format: str = "safetensors", max_shard_size: str = "5GB") -> Path:
+                      format: str = "safetensors", max_shard_size: str = "5GB",
+                      trust_builder: bool = False) -> Path:
     """Export the checkpoint of `path` (a run directory: its latest checkpoint; or a
     checkpoint directory) into `out` (default: ``export/`` in its run directory).
 
     ``format="safetensors"``: ``model.safetensors`` (the family's key names) +
     ``config.yaml`` + ``export.json``, what ``rtp serve`` reads. ``format="hf"`` (hf
     models): a Hugging Face directory that ``AutoModelForCausalLM.from_pretrained`` and
-    ``AutoTokenizer.from_pretrained`` load, plus ``export.json``."""
+    ``AutoTokenizer.from_pretrained`` load, plus ``export.json``. `trust_builder`: see
+    `load_model_for_inference`."""
     if format not in ("safetensors", "hf", "peft"):
         raise ConfigError("--format", format, "one of ['safetensors', 'hf', 'peft']")
-    model, cfg, info = load_model_for_inference(path, merge_adapters=format != "peft")
+    if format == "hf":
+        parse_size("--max-shard-size", max_shard_size)
+    if out is not None:  # checked before anything is loaded or written
+        _check_out(Path(out), Path(path))
+    model, cfg, info = load_model_for_inference(path, merge_adapters=format != "peft", trust_builder=trust_builder)
     family = get_family(cfg.model.name)
     ckpt = Path(info["source"])
     target = Path(out) if out is not None else ckpt.parent / "export"
+    _check_out(target, ckpt)
     target.mkdir(parents=True, exist_ok=True)
     if format == "peft":
         _write_peft(model, cfg, target)
@@ -175,6 +210,21 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
         (target / CONFIG_FILE).write_text(cfg.replace({"model.lora": None}).to_yaml())
     write_json(target / EXPORT_INFO_FILE, {**info, "format": format})
     return target
+
+
+def _check_out(target: Path, source: Path) -> None:
+    """An export never writes over a run or a checkpoint: `target` must not be the
+    source, a run directory, or in a checkpoint directory (their config.yaml and weights
+    would be replaced). An earlier export there is replaced; ``RUN/export`` is the default."""
+    t = target.resolve()
+    if t.exists() and not t.is_dir():
+        raise ConfigError("--out", str(target), "a directory (this is a file)")
+    holds_run = t.is_dir() and (latest_checkpoint(t) is not None
+                                or ((t / CONFIG_FILE).exists() and not (t / EXPORT_INFO_FILE).exists()))
+    in_checkpoint = any((d / STATE_FILE).exists() for d in (t, *t.parents))
+    if t == source.resolve() or holds_run or in_checkpoint:
+        raise ConfigError("--out", str(target), "a directory outside the source that holds no run or checkpoint "
+                          "(an export there would overwrite its files)")
 
 
 def _load_adapters(model: nn.Module, cfg: JobConfig, ckpt: Path, *, sharded: bool, merge: bool) -> nn.Module:

@@ -11,6 +11,7 @@ one-line `ConfigError` naming the field when they are not. No torch, no Ray.
 
 from __future__ import annotations
 
+import math
 import re
 
 from raytrain_platform.errors import ConfigError
@@ -27,14 +28,14 @@ SIZE_HELP = "a size like 80GiB or 24GB (units B, KB, MB, GB, TB, KiB, MiB, GiB, 
 def parse_size(field: str, text: str) -> int:
     match = re.fullmatch(_NUMBER + r"\s*([A-Za-z]*)", str(text).strip())
     unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+    if match is None or unit not in _SIZE_UNITS or not 0 < float(match.group(1)) < math.inf:
         raise ConfigError(field, text, SIZE_HELP + ", > 0")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def parse_count(field: str, text: str) -> int:
     match = re.fullmatch(_NUMBER + r"\s*([kKmMbBtT]?)", str(text).strip())
-    if match is None or float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()] < 1:
+    if match is None or not 1 <= float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()] < math.inf:
         raise ConfigError(field, text, "a count >= 1 like 125M, 7B or 6.7e9")
     return int(float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()])
 

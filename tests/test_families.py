@@ -247,7 +247,7 @@ def test_hf_output_user_model_under_ray_matches_torchrun_and_exports_its_own_nam
     result = train(cfg, progress=False)
     assert_losses_close([r["loss"] for r in result.metrics], [r["loss"] for r in llama_runs["fsdp"]],
                         rtol=RTOL)
-    out = export_checkpoint(result.run_dir, tmp_path / "export")
+    out = export_checkpoint(result.run_dir, tmp_path / "export", trust_builder=True)  # a user builder's run
     from safetensors.torch import load_file
 
     names = sorted(load_file(str(out / "model.safetensors")))

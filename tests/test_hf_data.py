@@ -214,6 +214,8 @@ VALIDATE_CASES = {
     # case: (config patch, the error line's start, what it must say)
     "not_json": (lambda tiny, tmp: {"data": {"path": _bad_lines(tmp, [GOOD, "", "{oops"])}},
                  "error: {tmp}/bad.jsonl:3: ", "not valid JSON"),
+    "nested_too_deep": (lambda tiny, tmp: {"data": {"path": _bad_lines(tmp, [GOOD, "[" * 100_000 + "]" * 100_000])}},
+                        "error: {tmp}/bad.jsonl:2: ", "JSON nested too deeply to read"),
     "missing_field": (lambda tiny, tmp: {"data": {"path": _bad_lines(tmp, [GOOD, '{"msgs": []}'])}},
                       "error: {tmp}/bad.jsonl:2: ", "expected a field 'messages' (data.format chat)"),
     "no_chat_template": (lambda tiny, tmp: {"data": {"tokenizer": _no_template(tiny, tmp)}},

@@ -59,7 +59,7 @@ def _job(cfg: dict):
     ({"r": 0}, "model.lora.r", "an integer >= 1"),
     ({"r": -2}, "model.lora.r", "an integer >= 1"),
     ({"rank": 8}, "model.lora.rank", "model.lora keys are ['r', 'alpha', 'dropout', 'target_modules']"),
-    ({"alpha": 0}, "model.lora.alpha", "a number > 0"),
+    ({"alpha": 0}, "model.lora.alpha", "a finite number > 0"),
     ({"dropout": 1.0}, "model.lora.dropout", "a number in [0, 1)"),
     ({"target_modules": []}, "model.lora.target_modules", "a non-empty list of module names"),
     ({"target_modules": ["q_proj", "qkv"]}, "model.lora.target_modules",

@@ -25,6 +25,7 @@ from conftest import free_port, hf_config, load_test, train_in_process
 from test_serve import GPT_KWARGS, _train
 
 from raytrain_platform.cli import main as rtp
+from raytrain_platform.errors import CheckpointError
 from raytrain_platform.serve.engine import GenerationEngine, SamplingParams
 from raytrain_platform.serve.text import ByteTokenizer, HFTokenizer, TextStream
 
@@ -63,6 +64,41 @@ def models(tmp_path_factory, tiny) -> dict[str, Path]:
                                              "eval_every": 0, "eval_batches": 1}})
     user_clf = _train(others, "user_clf", model={"name": "user_models:slow_mlp", "kwargs": {"delay_s": 0.0}})
     return {"sweep": sweep, "export": exported, "gpt": gpt, "user": user, "user_clf": user_clf}
+
+
+def test_a_user_builder_run_is_served_only_when_trusted(models, tmp_path, capsys):
+    """A run directory names the code that builds its model (``model.name:
+    "pkg.module:fn"``): loading it imports and calls that. Like transformers' remote code,
+    serving such a run needs ``--trust-builder``; without it `rtp serve` exits 2 before
+    importing anything, and a run rewritten to name any other function runs nothing."""
+    import shutil
+
+    from raytrain_platform.serve.catalog import load_catalog
+    from raytrain_platform.serve.options import parse_serve_args
+
+    assert rtp(["serve", f"user={models['user']}", "--write-config", str(tmp_path / "s.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "model.name 'user_models:tiny_llama' is a Python import path" in err and "--trust-builder" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "s.yaml").exists()
+    assert rtp(["serve", f"user={models['user']}", "--trust-builder", "--write-config", str(tmp_path / "s.yaml")]) == 0
+    assert rtp(["export", str(models["user"]), "--out", str(tmp_path / "x")]) == 2  # export: the same rule
+    assert "--trust-builder" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert rtp(["export", str(models["user"]), "--out", str(tmp_path / "x"), "--trust-builder"]) == 0
+    # A copied run whose config names a function with a side effect: refused, nothing ran;
+    # trusted, the function runs (then its weights do not fit: refused all the same).
+    evil, marker = tmp_path / "evil", tmp_path / "ran"
+    shutil.copytree(models["user_clf"], evil)
+    for config in evil.rglob("config.yaml"):
+        cfg = yaml.safe_load(config.read_text())
+        cfg["model"].update(name="user_models:leaves_a_mark", kwargs={"path": str(marker)})
+        config.write_text(yaml.safe_dump(cfg))
+    for path in (evil, next(evil.glob("checkpoint_*"))):
+        with pytest.raises(CheckpointError, match="user_models:leaves_a_mark' is a Python import path"):
+            load_catalog(parse_serve_args({"checkpoint": f"evil={path}"}))
+    assert not marker.exists()
+    with pytest.raises(CheckpointError):
+        load_catalog(parse_serve_args({"checkpoint": f"evil={evil}", "trust_builder": True}))
+    assert marker.read_text() == "built"
 
 
 # ---- without Ray -------------------------------------------------------------------------------
@@ -207,7 +243,7 @@ def served(models, ray_cluster):
 
     checkpoint = (f"sweep={models['sweep']},tiny={models['export']},gpt={models['gpt']},user={models['user']},"
                   f"user_clf={models['user_clf']}")
-    application = app({"checkpoint": checkpoint, **LIMITS})
+    application = app({"checkpoint": checkpoint, **LIMITS, "trust_builder": True})  # the user runs
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -314,6 +350,7 @@ def test_typed_errors_in_openai_shape_and_the_server_lives_on(client, served):
         (openai.BadRequestError, {"model": "tiny", "prompt": "a", "max_tokens": 65}, "at most 64", "max_tokens"),
         (openai.BadRequestError, {"model": "tiny", "prompt": "a", "temperature": 3}, "temperature", "temperature"),
         (openai.BadRequestError, {"model": "tiny", "prompt": "a", "n": 2}, "n = 1 only", "n"),
+        (openai.BadRequestError, {"model": "tiny", "prompt": "a", "n": 0}, "n = 1 only", "n"),
         (openai.BadRequestError, {"model": "tiny", "prompt": ""}, "non-empty", "prompt"),
         (openai.BadRequestError, {"model": "sweep/a", "prompt": "a", "extra_body": {"colour": 1}}, "colour", "colour"),
     ]
@@ -329,6 +366,13 @@ def test_typed_errors_in_openai_shape_and_the_server_lives_on(client, served):
         client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}])
     r = requests.post(served + "/v1/generate", json={"prompt": "a", "model": "tiny"}, timeout=60)
     assert r.status_code == 400 and "use POST /v1/completions" in r.json()["error"]["message"]
+    # JSON's \ud800 escape parses into a lone surrogate, which no tokenizer encodes: a 400, not a 500.
+    for route, body in (("completions", {"model": "tiny", "prompt": "a\ud800b"}),
+                        ("completions", {"model": "gpt", "prompt": "ok", "stop": ["\udfff"]}),
+                        ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "\ud800"}]})):
+        r = requests.post(f"{served}/v1/{route}", data=json.dumps(body), timeout=60,
+                          headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], (r.status_code, r.text)
     assert client.completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens >= 1
 
 
@@ -348,7 +392,7 @@ def test_a_user_classifier_predicts_through_its_family_hook(served, models, clie
     assert listed["user_clf"]["inputs"] == {"num_features": 16, "num_outputs": 4}  # read off the module
     rows = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)).tolist()
     r = requests.post(served + "/v1/predict", json={"model": "user_clf", "rows": rows}, timeout=60)
-    model, _, _ = load_model_for_inference(models["user_clf"])
+    model, _, _ = load_model_for_inference(models["user_clf"], trust_builder=True)
     with torch.no_grad():
         local = torch.softmax(model(torch.tensor(rows)), -1)
     assert r.status_code == 200, r.text

@@ -148,3 +148,12 @@ def no_linear(input_dim: int = 16, num_outputs: int = 4) -> nn.Module:
     """A classifier with no nn.Linear (a 1x1 convolution over features): LoRA refuses it
     (tests/test_lora.py)."""
     return nn.Sequential(nn.Unflatten(1, (input_dim, 1)), nn.Conv1d(input_dim, num_outputs, 1), nn.Flatten())
+
+
+def leaves_a_mark(path: str) -> nn.Module:
+    """A builder with a side effect: it writes `path` (the trust test: a run directory
+    naming it must not get it called unless trusted)."""
+    from pathlib import Path
+
+    Path(path).write_text("built")
+    return nn.Linear(16, 4)

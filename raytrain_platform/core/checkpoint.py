@@ -115,10 +115,15 @@ def read_state(directory: str | os.PathLike) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{directory}: not a complete checkpoint (no {STATE_FILE})")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
         TrainState(**data["state"])
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path}: unreadable trainer state ({exc})") from None
+        bad = [k for k, v in data["state"].items() if type(v) is not int or v < 0]
+        if bad:
+            raise TypeError(f"state.{bad[0]} = {data['state'][bad[0]]!r}, expected an integer >= 0")
+        if not isinstance(data.get("metrics", {}), dict):
+            raise TypeError(f"metrics is a {type(data['metrics']).__name__}, expected an object")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON, UTF-8, shape
+        raise CheckpointError(f"{path}: unreadable trainer state ({' '.join(str(exc).split())})") from None
     return data
 
 

@@ -148,6 +148,8 @@ def _read_records(path: str, spec: JsonlSpec) -> Iterator[tuple[int, dict]]:
             record = json.loads(raw)
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
             raise DataError(f"{path}:{index + 1}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
+        except RecursionError:
+            raise DataError(f"{path}:{index + 1}: JSON nested too deeply to read") from None
         try:
             _check_record(record, spec)
         except DataError as exc:

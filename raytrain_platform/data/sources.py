@@ -164,7 +164,10 @@ def text_files(spec: SourceSpec) -> list[tuple[str, int]]:
     found.sort()
     if spec.max_files is not None:
         found = found[: spec.max_files]
-    files = [(p, os.path.getsize(p)) for p in found]
+    try:
+        files = [(p, os.path.getsize(p)) for p in found]
+    except OSError as exc:  # a dangling symlink, a file removed meanwhile, no permission
+        raise DataError(f"data.path = {str(root)!r}: {exc.filename}: cannot be read ({exc.strerror})") from None
     if not files:
         raise DataError(f"data.path = {str(root)!r}: no files match data.glob = {spec.glob!r}")
     return files

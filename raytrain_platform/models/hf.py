@@ -68,7 +68,20 @@ def read_hf_config(path: str) -> dict:
         raise ConfigError("model.kwargs.path", path, f"a readable config.json ({exc})") from None
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise ConfigError("model.kwargs.path", path, "a config.json with a model_type")
+    for key in _CONFIG_COUNTS:  # what the checks and the planner read, where present
+        value = config.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ConfigError("model.kwargs.path", path, f"a config.json whose {key} is an integer >= 1 "
+                              f"(it is {value!r})")
+    archs = config.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ConfigError("model.kwargs.path", path, f"a config.json whose architectures is a list of "
+                          f"names (it is {archs!r})")
     return config
+
+
+_CONFIG_COUNTS = ("max_position_embeddings", "vocab_size", "hidden_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim")
 
 
 def weight_files(path: str) -> list[str]:
@@ -79,8 +92,12 @@ def weight_files(path: str) -> list[str]:
     index = root / SAFETENSORS_INDEX
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not (isinstance(weight_map, dict)
+                    and all(isinstance(v, str) and v for v in weight_map.values())):
+                raise ValueError("weight_map: expected an object of tensor name -> shard file name")
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError("model.kwargs.path", path, f"a readable {SAFETENSORS_INDEX} ({exc})") from None
         missing = [n for n in names if not (root / n).is_file()]
         if missing or any("/" in n or n.startswith(".") for n in names):

@@ -31,6 +31,8 @@ raytrain_platform.errors.ConfigError: model.lora.r = 0: expected an integer >= 1
 
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING, Any
 
 from raytrain_platform.errors import ConfigError
@@ -59,8 +61,8 @@ def resolve_lora(section: Any) -> dict:
     r, alpha, dropout, targets = lora["r"], lora["alpha"], lora["dropout"], lora["target_modules"]
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise ConfigError("model.lora.r", r, "an integer >= 1 (the adapters' rank)")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-        raise ConfigError("model.lora.alpha", alpha, "a number > 0 (adapter outputs are scaled by alpha / r)")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < math.inf:
+        raise ConfigError("model.lora.alpha", alpha, "a finite number > 0 (adapter outputs are scaled by alpha / r)")
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
         raise ConfigError("model.lora.dropout", dropout, "a number in [0, 1)")
     if isinstance(targets, str):

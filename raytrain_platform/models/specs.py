@@ -6,12 +6,17 @@ anything starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Union
 
 from raytrain_platform.errors import ConfigError
 
 __all__ = ["GPTSpec", "MLPSpec"]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -38,10 +43,12 @@ class GPTSpec:
                               f"a multiple of model.kwargs.n_head ({self.n_head})")
         if self.vocab_size != 256:
             raise ConfigError("model.kwargs.vocab_size", self.vocab_size, "256 (byte-level tokens)")
-        if not (0.0 <= self.dropout < 1.0):
+        if not (_is_number(self.dropout) and 0.0 <= self.dropout < 1.0):
             raise ConfigError("model.kwargs.dropout", self.dropout, "a number in [0, 1)")
-        if not (self.init_std > 0):
-            raise ConfigError("model.kwargs.init_std", self.init_std, "a number > 0")
+        if not (_is_number(self.init_std) and 0 < self.init_std < math.inf):
+            raise ConfigError("model.kwargs.init_std", self.init_std, "a finite number > 0")
+        if not isinstance(self.bias, bool):
+            raise ConfigError("model.kwargs.bias", self.bias, "true or false")
         if self.task != "lm":
             raise ConfigError("model.kwargs.task", self.task, "'lm' for gpt")
 
@@ -77,5 +84,5 @@ class MLPSpec:
                         for h in self.hidden_sizes)):
             raise ConfigError("model.kwargs.hidden_sizes", self.hidden_sizes,
                               "a list of integers >= 1")
-        if not (0.0 <= self.dropout < 1.0):
+        if not (_is_number(self.dropout) and 0.0 <= self.dropout < 1.0):
             raise ConfigError("model.kwargs.dropout", self.dropout, "a number in [0, 1)")

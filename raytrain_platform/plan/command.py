@@ -28,6 +28,8 @@ from raytrain_platform.models.registry import FAMILIES, family_names, get_family
 from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, preset_shape
 from raytrain_platform.units import SIZE_HELP, parse_count, parse_size
 
+MAX_COUNT = 1_000_000  # any count flag: devices, nodes, batch, layers, heads, ...
+
 __all__ = ["add_plan_arguments", "run_plan", "parse_size", "parse_count", "format_plan", "plan_to_dict"]
 
 
@@ -38,8 +40,9 @@ def _int(flag: str, text: str | None, default: None = None) -> int | None: ...
 def _int(flag: str, text: str | None, default: int | None = None) -> int | None:
     if text is None:
         return default
-    if not re.fullmatch(r"\+?\d+", text.strip()) or int(text) < 1:
-        raise ConfigError(flag, text, "an integer >= 1")
+    # Bounded: the guide enumerates divisors of device counts and batches.
+    if not re.fullmatch(r"\+?\d{1,12}", text.strip()) or not 1 <= int(text) <= MAX_COUNT:
+        raise ConfigError(flag, text, f"an integer from 1 to {MAX_COUNT:,}")
     return int(text)
 
 

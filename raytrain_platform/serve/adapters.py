@@ -79,7 +79,7 @@ class SharedBases:
         """Adapters held now, over all bases."""
         return sum(len(names) for names in self._adapters.values())
 
-    def load(self, model_id: str, checkpoint: str) -> AdapterView:
+    def load(self, model_id: str, checkpoint: str, *, trust_builder: bool = False) -> AdapterView:
         """The LoRA run of `checkpoint` as a module: its base (loaded now if this replica
         has not got it yet) with the run's adapters added."""
         from peft import inject_adapter_in_model
@@ -97,7 +97,7 @@ class SharedBases:
         from raytrain_platform.models.registry import get_family
 
         ckpt = _find_checkpoint(Path(checkpoint))
-        cfg = _load_job_config(ckpt)
+        cfg = _load_job_config(ckpt, trust_builder=trust_builder)
         lora, base_id = cfg.model.lora, run_base(cfg)
         assert lora is not None and base_id is not None, "called for LoRA runs only (the catalog's lora)"
         key = base_id["sha256"]

@@ -139,8 +139,10 @@ class ModelServer:
 
     def _load(self, model_id: str) -> torch.nn.Module:
         if self.catalog[model_id].get("lora"):  # adapters over the base this replica loads once
-            return self.bases.load(model_id, self.catalog[model_id]["checkpoint"])
-        model, _ = load_served_model(model_id, self.catalog[model_id]["checkpoint"])
+            return self.bases.load(model_id, self.catalog[model_id]["checkpoint"],
+                                   trust_builder=self.options.trust_builder)
+        model, _ = load_served_model(model_id, self.catalog[model_id]["checkpoint"],
+                                     trust_builder=self.options.trust_builder)
         return model.to(self.device)
 
     # ---- requests -> a checked model entry -------------------------------------------------

@@ -24,16 +24,16 @@ if TYPE_CHECKING:
 __all__ = ["load_catalog", "load_served_model", "describe"]
 
 
-def load_served_model(model_id: str, path: str) -> tuple["nn.Module", dict]:
+def load_served_model(model_id: str, path: str, *, trust_builder: bool = False) -> tuple["nn.Module", dict]:
     """``(model, description)`` of one checkpoint, weights loaded without running code;
-    errors name the model id."""
+    errors name the model id. A user builder's run needs `trust_builder` (the option)."""
     from raytrain_platform.export import is_hf_directory, load_hf_directory, load_model_for_inference
 
     try:
         if is_hf_directory(Path(path)):
             model, info = load_hf_directory(Path(path))
         else:
-            model, _cfg, info = load_model_for_inference(path, servable=True)
+            model, _cfg, info = load_model_for_inference(path, servable=True, trust_builder=trust_builder)
     except CheckpointError as exc:
         raise CheckpointError(f"model {model_id!r}: {exc}") from None
     return model, describe(model_id, info)
@@ -73,4 +73,5 @@ def _finite(metrics: dict) -> dict:
 
 def load_catalog(options: "ServeOptions") -> dict[str, dict]:
     """Load every checkpoint of `options` once (then drop it) and describe it, by model id."""
-    return {spec.name: load_served_model(spec.name, spec.path)[1] for spec in options.checkpoints}
+    return {spec.name: load_served_model(spec.name, spec.path, trust_builder=options.trust_builder)[1]
+            for spec in options.checkpoints}

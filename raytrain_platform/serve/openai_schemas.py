@@ -30,6 +30,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
 
 
+def _unicode(value: Any) -> Any:
+    """Text that encodes as UTF-8: JSON's ``\\ud800`` escapes parse into lone surrogates,
+    which no tokenizer can encode."""
+    for text in [value] if isinstance(value, str) else (value or []):
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"not valid Unicode text (a lone surrogate at character {exc.start})") from None
+    return value
+
+
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="a last chunk with the usage counts")
 
@@ -54,6 +66,11 @@ class _Sampling(_Strict):
     logit_bias: dict[str, Any] | None = None
     logprobs: Any | None = None
 
+    @field_validator("stop", "user")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        return _unicode(value)
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: Any) -> Any:
@@ -66,7 +83,7 @@ class _Sampling(_Strict):
     @classmethod
     def _neutral(cls, value: Any, info: Any) -> Any:
         neutral = _NEUTRAL.get(info.field_name)
-        if value is not None and value != neutral and value not in ({}, False):
+        if value is not None and value != neutral and not (value == {} or value is False):
             allowed = f"{info.field_name} = {neutral}" if neutral is not None else "null"
             raise ValueError(f"{value!r} is not supported (this server answers {allowed} only)")
         return value
@@ -93,7 +110,7 @@ class CompletionRequest(_Sampling):
         text = value[0] if isinstance(value, list) else value
         if not text:
             raise ValueError("a non-empty string")
-        return value
+        return _unicode(value)
 
     @field_validator("echo", "best_of", "suffix")
     @classmethod
@@ -112,11 +129,21 @@ class _TextPart(_Strict):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        return _unicode(value)
+
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[_TextPart]
     name: str | None = None
+
+    @field_validator("content", "name")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        return _unicode(value) if isinstance(value, str) else value
 
     def as_template_input(self) -> dict:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -15,6 +15,7 @@ raytrain_platform.errors.ConfigError: max_batch_size = '0': expected an integer 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ __all__ = ["CheckpointSpec", "ServeOptions", "parse_serve_args", "option_fields"
 MODEL_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._@/-]{0,127}"
 _EXPORT_INFO = "export.json"  # raytrain_platform.export.EXPORT_INFO_FILE, without importing torch
 _HF_CONFIG = "config.json"  # a Hugging Face model folder (export.HF_CONFIG_FILE)
+INT_OPTION_MAX = 2**31 - 1  # what Serve and its C++ core take as a count
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class ServeOptions:
                                          "at least max_batch_size for full batches", 1)
     cpus_per_replica: float = _opt(1.0, "CPUs reserved per replica (also its torch threads)", 0.01)
     use_gpu: bool = _opt(False, "one GPU per replica, the models on it")
+    trust_builder: bool = _opt(False, "serve runs whose model.name is a Python import path (a user "
+                                      "builder): loading them imports and calls the code their config names")
     max_batch_size: int = _opt(32, "requests per dynamic batch (serve.batch); 1 = no batching", 1, 4096)
     batch_wait_timeout_s: float = _opt(0.005, "longest wait for a batch to fill, seconds", 0.0, 10.0)
     max_models_per_replica: int = _opt(3, "models a replica keeps loaded (LRU)", 1)
@@ -91,15 +95,18 @@ def _parse_value(f: dataclasses.Field, value: Any) -> Any:
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f.name, value, "true or false")
     what = "an integer" if kind == "int" else "a number"
+    if kind == "int" and hi is None:
+        hi = INT_OPTION_MAX
     bounds = " and ".join(x for x in (f">= {lo:g}" if lo is not None else "",
-                                      f"<= {hi:g}" if hi is not None else "") if x)
+                                      f"<= {hi:g}" if isinstance(hi, float) else f"<= {hi}" if hi is not None else "")
+                          if x)
     try:
         if isinstance(value, bool) or (kind == "int" and isinstance(value, float)):
             raise ValueError
         number = int(value) if kind == "int" else float(value)
     except (TypeError, ValueError):
         raise ConfigError(f.name, value, f"{what} {bounds}".strip()) from None
-    if number != number or (lo is not None and number < lo) or (hi is not None and number > hi):
+    if not math.isfinite(number) or (lo is not None and number < lo) or (hi is not None and number > hi):
         raise ConfigError(f.name, value, f"{what} {bounds}".strip())
     return number
 

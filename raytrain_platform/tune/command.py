@@ -46,9 +46,9 @@ def _read_yaml(path: Path, what: str) -> Any:
     if not path.is_file():
         raise ConfigError(what, str(path), "an existing YAML file")
     try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
-        raise ConfigError(what, str(path), "valid YAML") from None
+        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError):
+        raise ConfigError(what, str(path), "valid UTF-8 YAML") from None
 
 
 def load_sweep_file(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:

@@ -1,0 +1,208 @@
+"""Bad input found by an audit (2026-12-04), each a one-line error, exit 2 from the CLI,
+and nothing written over: checkpoints and exports with odd files, configs that are not
+UTF-8, out-of-range seeds and counts, sizes that overflow, serve options that are not
+finite, and an export aimed at the run it reads. No Ray: one tiny run, trained in this
+process, is copied and damaged per case."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import mlp_config, train_in_process
+
+from raytrain_platform.cli import main as rtp
+from raytrain_platform.config import load_config
+from raytrain_platform.core.rundir import latest_checkpoint
+from raytrain_platform.errors import CheckpointError, ConfigError
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bad_input") / "runs"
+    return train_in_process(root, mlp_config(root, "clf", train={"max_steps": 2},
+                                             run={"checkpoint_every": 0, "eval_every": 0}))
+
+
+@pytest.fixture
+def copy(run, tmp_path) -> Path:
+    """A copy of the run, to damage."""
+    return Path(shutil.copytree(run, tmp_path / "clf"))
+
+
+def _one_line_exit_2(argv: list[str], capsys, needle: str) -> None:
+    assert rtp(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and needle in err, err
+
+
+# ---- checkpoints and exports -------------------------------------------------------------
+
+def _damage_state(ckpt: Path, state) -> None:
+    data = json.loads((ckpt / "trainer_state.json").read_text())
+    data.update(state)
+    (ckpt / "trainer_state.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda c: _damage_state(c, {"state": {"step": "60"}}), "state.step = '60', expected an integer >= 0"),
+    (lambda c: _damage_state(c, {"state": {"step": 2.0}}), "state.step = 2.0"),
+    (lambda c: _damage_state(c, {"metrics": [1, 2]}), "metrics is a list, expected an object"),
+    (lambda c: (c / "trainer_state.json").write_bytes(b'{"state": "\xff"}'), "unreadable trainer state"),
+    (lambda c: (c / "config.yaml").write_text(""), "unusable config (config = 'NoneType': expected a mapping"),
+    (lambda c: (c / "config.yaml").write_text("- a\n- b\n"), "unusable config (config = 'list'"),
+    (lambda c: (c / "config.yaml").write_bytes(b"model:\n\xff\n"), "unusable config ('utf-8' codec"),
+])
+def test_a_damaged_checkpoint_is_refused_in_one_line(copy, tmp_path, capsys, damage, needle):
+    """The serving catalog would otherwise start, then answer every request with a 500."""
+    from raytrain_platform.export import load_model_for_inference
+
+    ckpt = latest_checkpoint(copy)
+    damage(ckpt)
+    with pytest.raises(CheckpointError) as err:
+        load_model_for_inference(ckpt)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+    _one_line_exit_2(["export", str(ckpt), "--out", str(tmp_path / "out")], capsys, needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_export_with_an_infinite_step_is_refused(run, tmp_path, capsys):
+    from raytrain_platform.export import export_checkpoint, load_model_for_inference
+
+    out = export_checkpoint(run, tmp_path / "exp")
+    info = json.loads((out / "export.json").read_text())
+    (out / "export.json").write_text(json.dumps({**info, "step": float("inf")}))  # json writes Infinity
+    with pytest.raises(CheckpointError, match="export.json: unreadable"):
+        load_model_for_inference(out)
+
+
+def test_an_export_never_writes_over_the_run_it_reads(run, copy, tmp_path, capsys):
+    """`--out` at the checkpoint, inside it, or at a run directory would replace their
+    config.yaml and weights (a LoRA checkpoint lost its adapters that way): refused
+    before anything is read, and the checkpoint stays byte for byte."""
+    ckpt = latest_checkpoint(copy)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    for source, out in [(copy, ckpt), (ckpt, ckpt), (copy, ckpt / "sub"), (ckpt, copy), (copy, run)]:
+        _one_line_exit_2(["export", str(source), "--out", str(out)], capsys,
+                         "expected a directory outside the source that holds no run or checkpoint")
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
+    assert latest_checkpoint(copy) == ckpt
+    (tmp_path / "a_file").write_text("x")
+    _one_line_exit_2(["export", str(copy), "--out", str(tmp_path / "a_file")], capsys, "a directory (this is a file)")
+    # The default (RUN/export) and a re-export over an earlier export are fine.
+    assert rtp(["export", str(copy)]) == 0 and rtp(["export", str(copy), "--out", str(copy / "export")]) == 0
+    assert (copy / "export" / "model.safetensors").is_file()
+
+
+def test_a_bad_shard_size_is_refused_before_anything_is_written(run, tmp_path, capsys):
+    _one_line_exit_2(["export", str(run), "--format", "hf", "--max-shard-size", "abc", "--out", str(tmp_path / "o")],
+                     capsys, "--max-shard-size = 'abc': expected a size like 80GiB")
+    assert not (tmp_path / "o").exists()
+
+
+# ---- configs -------------------------------------------------------------------------------
+
+def test_a_config_file_that_is_not_utf8_or_has_odd_keys(tmp_path, capsys):
+    (tmp_path / "bin.yaml").write_bytes(b"model:\n\xff\n")
+    _one_line_exit_2(["validate", str(tmp_path / "bin.yaml")], capsys, "expected a UTF-8 YAML file (byte 7")
+    (tmp_path / "keys.yaml").write_text("1: a\nfoo: b\n")
+    _one_line_exit_2(["validate", str(tmp_path / "keys.yaml")], capsys, "no such section")
+
+
+@pytest.mark.parametrize("patch,field,needle", [
+    ({"data": {"seed": -1}}, "data.seed", "an integer from 0 to 2**32 - 1"),
+    ({"data": {"shuffle_seed": 2**32}}, "data.shuffle_seed", "an integer from 0 to 2**32 - 1"),
+    ({"train": {"seed": 10**20}}, "train.seed", "an integer from 0 to 2**32 - 1"),
+    ({"run": {"name": "abc\n"}}, "run.name", "1-128 characters"),
+    ({"model": {"name": "gpt", "kwargs": {"dropout": "x"}}}, "model.kwargs.dropout", "a number in [0, 1)"),
+    ({"model": {"name": "gpt", "kwargs": {"init_std": float("inf")}}}, "model.kwargs.init_std",
+     "a finite number > 0"),
+    ({"model": {"name": "gpt", "kwargs": {"bias": "maybe"}}}, "model.kwargs.bias", "true or false"),
+    ({"model": {"name": "mlp", "kwargs": {"dropout": None}}}, "model.kwargs.dropout", "a number in [0, 1)"),
+    ({"model": {"name": "mlp", "lora": {"alpha": float("nan")}}}, "model.lora.alpha", "a finite number > 0"),
+    ({"scaling": {"memory_budget": "1e400GB"}}, "scaling.memory_budget", "a size like 80GiB"),
+])
+def test_values_the_run_would_fail_on_later_are_refused_up_front(tmp_path, patch, field, needle):
+    cfg = mlp_config(tmp_path, "c", **patch)
+    if patch.get("model", {}).get("name") == "gpt":
+        cfg["data"] = {"source": "synthetic", "batch_size": 4, "num_samples": 64}
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    assert err.value.field == field and needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+# ---- plan, sizes, serve options ------------------------------------------------------------
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--nodes", "99999999999999999999"], "--nodes = '99999999999999999999': expected an integer from 1 to 1,000,000"),
+    (["--global-batch", "1000001"], "--global-batch = '1000001'"),
+    (["--device-mem", "1e400GB"], "--device-mem = '1e400GB'"),
+])
+def test_rtp_plan_refuses_counts_it_could_not_finish_and_sizes_that_overflow(capsys, flags, needle):
+    """A count of 1e20 nodes made the guide enumerate divisors for minutes; 1e400GB
+    overflowed to a traceback."""
+    base = {"--model": "gpt", "--global-batch": "8", "--device-mem": "80GB"}
+    base.update(dict(zip(flags[::2], flags[1::2])))
+    _one_line_exit_2(["plan", *[x for kv in base.items() for x in kv]], capsys, needle)
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("cpus_per_replica", "inf", "cpus_per_replica = 'inf': expected a number >= 0.01"),
+    ("upscale_delay_s", float("inf"), "upscale_delay_s = inf"),
+    ("max_ongoing_requests", 10**31, "expected an integer >= 1 and <= 2147483647"),
+])
+def test_serve_options_must_be_finite(run, key, value, needle):
+    from raytrain_platform.serve.options import parse_serve_args
+
+    with pytest.raises(ConfigError) as err:
+        parse_serve_args({"checkpoint": str(run), key: value})
+    assert needle in str(err.value), str(err.value)
+
+
+def test_a_checkpoint_config_is_read_as_yaml_only(copy):
+    """A run's config.yaml with a Python tag is refused (safe_load), never constructed."""
+    from raytrain_platform.export import load_model_for_inference
+
+    ckpt = latest_checkpoint(copy)
+    config = ckpt / "config.yaml"
+    config.write_text("!!python/object/apply:os.system ['true']\n" + config.read_text())
+    with pytest.raises(CheckpointError, match="unusable config"):
+        load_model_for_inference(ckpt)
+    assert yaml.safe_load((copy / "config.yaml").read_text())["run"]["name"] == "clf"
+
+
+def test_a_dangling_symlink_in_a_text_folder_is_named(tmp_path, capsys):
+    from conftest import ROOT
+
+    (tmp_path / "a.txt").write_text("some text " * 200)
+    (tmp_path / "b.txt").symlink_to(tmp_path / "gone.txt")
+    _one_line_exit_2(["validate", str(ROOT / "pipelines/configs/quickstart.yaml"), "--set", f"data.path={tmp_path}",
+                      "--set", 'data.glob="*.txt"'], capsys, f"{tmp_path / 'b.txt'}: cannot be read")
+
+
+@pytest.mark.parametrize("patch,needle", [
+    ({"max_position_embeddings": "256"}, "whose max_position_embeddings is an integer >= 1 (it is '256')"),
+    ({"num_key_value_heads": 1.5}, "whose num_key_value_heads is an integer >= 1 (it is 1.5)"),
+    ({"architectures": 5}, "whose architectures is a list of names (it is 5)"),
+])
+def test_an_hf_config_json_with_wrong_types_is_named(tmp_path, patch, needle):
+    """Values the checks compare (seq_len against max positions, tp against kv heads)
+    were TypeErrors; a null is still 'not given'."""
+    from raytrain_platform.models.hf import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "head_dim": None, **patch}))
+    with pytest.raises(ConfigError) as err:
+        read_hf_config(str(tmp_path))
+    assert needle in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("weight_map", [{"a": 1}, {"a": None}, ["model-1.safetensors"]])
+def test_a_safetensors_index_with_a_wrong_weight_map_is_named(tmp_path, weight_map):
+    from raytrain_platform.models.hf import weight_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ConfigError, match="weight_map: expected an object of tensor name -> shard file name"):
+        weight_files(str(tmp_path))
