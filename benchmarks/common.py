@@ -80,15 +80,21 @@ def torchrun_core(nproc: int, config: Path, overrides: Sequence[str] = (), *, la
     thread per rank; raises with the stderr tail (and `label`) when it fails."""
     import subprocess
 
+    proc = subprocess.run(torchrun_command(nproc, config, overrides), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise RuntimeError(f"{label}: torchrun core failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def torchrun_command(nproc: int, config: Path, overrides: Sequence[str] = ()) -> list[str]:
+    """The command `torchrun_core` runs (127.0.0.1, a free port); run it with
+    ``OMP_NUM_THREADS=1`` in the environment."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "raytrain_platform.core", "--config", str(config)]
     for kv in overrides:
         cmd += ["--set", kv]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode:
-        raise RuntimeError(f"{label}: torchrun core failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return cmd
 
 
 def local_ray(num_cpus: int = 2) -> None:

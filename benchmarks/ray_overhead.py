@@ -2,7 +2,7 @@
 `vs_accelerate.py` through Ray (``rtp train``) and on the Ray-free core (torchrun), read
 from Linux's per-thread scheduler statistics while it trains (Linux only).
 
-    python benchmarks/ray_overhead.py            # ~6 min on 2 CPU cores
+    python benchmarks/ray_overhead.py            # ~5 min on 2 CPU cores
     python benchmarks/ray_overhead.py --smoke    # tiny, 1 repeat, writes nothing (a test)
 
 Why it exists: on a 2-core machine a 2-process DDP run through Ray trains slower than
@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -47,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, load_avg, stamp, torchrun_core  # noqa: E402
+from common import ROOT, load_avg, stamp, torchrun_command  # noqa: E402
 import vs_accelerate as va  # noqa: E402
 
 BENCH = ROOT / "benchmarks"
@@ -56,7 +55,7 @@ SIZES: dict[str, dict[str, Any]] = {
     # window: metrics rows [first, last) whose wall time is sampled (after start-up and
     # the first steps); phases: the --sched-idle run's alternating phases of `phase` steps.
     "full": {**va.SIZES["full"], "steps": 60, "window": (10, 55), "repeats": 2, "phases": 6, "phase": 12},
-    "smoke": {**va.SIZES["smoke"], "steps": 16, "window": (5, 14), "repeats": 1, "phases": 2, "phase": 5},
+    "smoke": {**va.SIZES["smoke"], "steps": 24, "window": (6, 22), "repeats": 1, "phases": 2, "phase": 6},
 }
 RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env", "monitor.py")
 
@@ -66,15 +65,33 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def sample() -> tuple[dict[tuple[int, int], dict], list[int]]:
-    """Every thread on the machine: its process's command line, thread name, CPU seconds,
-    scheduler nanoseconds (on a core, waiting for one) and context switches; and the
-    machine's /proc/stat CPU line."""
-    threads: dict[tuple[int, int], dict] = {}
-    me = os.getpid()
+def descendants(root: int) -> set[int]:
+    """`root` and every process below it (the run's: a Ray run's raylet, GCS and
+    workers are children of the ``rtp train`` process that started them)."""
+    children: dict[int, list[int]] = defaultdict(list)
     for pid_s in os.listdir("/proc"):
-        if not pid_s.isdigit() or int(pid_s) == me:
-            continue
+        if pid_s.isdigit():
+            try:
+                stat = _read(f"/proc/{pid_s}/stat")
+                children[int(stat[stat.rindex(")") + 2:].split()[1])].append(int(pid_s))
+            except (OSError, ValueError, IndexError):
+                continue
+    found, todo = {root}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def sample(root: int) -> tuple[dict[tuple[int, int], dict], list[int]]:
+    """Every thread of the run (`root` and its descendants): its process's command
+    line, thread name, CPU seconds, scheduler nanoseconds (on a core, waiting for one),
+    context switches and when it was read; and the machine's /proc/stat CPU line."""
+    threads: dict[tuple[int, int], dict] = {}
+    for pid in sorted(descendants(root)):
+        pid_s = str(pid)
         try:
             cmd = _read(f"/proc/{pid_s}/cmdline").replace("\0", " ").strip()
             for tid_s in os.listdir(f"/proc/{pid_s}/task"):
@@ -89,7 +106,8 @@ def sample() -> tuple[dict[tuple[int, int], dict], list[int]]:
                     "name": stat[stat.index("(") + 1:stat.rindex(")")],
                     "cpu_s": (int(fields[11]) + int(fields[12])) / HZ, "run_ns": run_ns, "wait_ns": wait_ns,
                     "voluntary": switches.get("voluntary_ctxt_switches", 0),
-                    "preempted": switches.get("nonvoluntary_ctxt_switches", 0)}
+                    "preempted": switches.get("nonvoluntary_ctxt_switches", 0),
+                    "t": time.monotonic()}  # a scan of hundreds of threads takes a while: per thread
         except (OSError, ValueError):  # a thread that ended between listing and reading
             continue
     machine = [int(x) for x in _read("/proc/stat").splitlines()[0].split()[1:]]
@@ -135,8 +153,8 @@ def breakdown(side: str, a: tuple, b: tuple, dt: float) -> dict:
         raise RuntimeError(f"{side}: expected 2 training processes, found {len(train_threads)}")
     threads = []
     for k in train_threads.values():
-        d = delta[k]
-        on, wait = d["run_ns"] / 1e9 / dt, d["wait_ns"] / 1e9 / dt
+        d, own_dt = delta[k], tb[k]["t"] - ta[k]["t"]
+        on, wait = d["run_ns"] / 1e9 / own_dt, d["wait_ns"] / 1e9 / own_dt
         threads.append({"on_cpu": round(on, 3), "runq_wait": round(wait, 3),
                         "off_cpu": round(max(0.0, 1 - on - wait), 3),
                         "preempted_per_s": round(d["preempted"] / dt), "sleeps_per_s": round(d["voluntary"] / dt)})
@@ -168,33 +186,19 @@ def breakdown(side: str, a: tuple, b: tuple, dt: float) -> dict:
 
 
 class Run:
-    """One training run in the background (``rtp train`` or torchrun), with its metrics rows."""
+    """One training run in the background (``rtp train``, or torchrun), its process
+    tree rooted at `pid`, with its metrics rows."""
 
     def __init__(self, side: str, llm: Path, size: dict, storage: Path, name: str):
         self.side, self.dir = side, storage / name
         config = va._write_config(llm, 2, size, storage, name)
-        self.error: BaseException | None = None
         if side == "ray":
-            self.proc: subprocess.Popen | None = subprocess.Popen(
-                [sys.executable, "-m", "raytrain_platform", "train", str(config)], cwd=ROOT,
-                env={**os.environ, **va.OFFLINE_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            self.thread: threading.Thread | None = None
+            cmd, env = [sys.executable, "-m", "raytrain_platform", "train", str(config)], va.OFFLINE_ENV
         else:
-            self.proc = None
-            self.thread = threading.Thread(target=self._torchrun, args=(config, name), daemon=True)
-            self.thread.start()
-
-    def _torchrun(self, config: Path, name: str) -> None:
-        try:
-            torchrun_core(2, config, label=name, timeout=900)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by wait_rows / finish
-            self.error = exc
-
-    def alive(self) -> bool:
-        if self.proc:
-            return self.proc.poll() is None
-        assert self.thread is not None
-        return self.thread.is_alive()
+            cmd, env = torchrun_command(2, config), {"OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
 
     def rows(self) -> list[dict]:
         from raytrain_platform.core.rundir import read_metrics
@@ -204,21 +208,19 @@ class Run:
     def wait_rows(self, n: int, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
         while len(self.rows()) < n:
-            if not self.alive() or time.monotonic() > deadline:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.finish()
                 raise RuntimeError(f"{self.side}: run ended or stalled before step {n}")
             time.sleep(0.05)
 
     def finish(self) -> None:
-        if self.proc:
+        try:
             _, err = self.proc.communicate(timeout=300)
-            if self.proc.returncode:
-                raise RuntimeError(f"rtp train failed ({self.proc.returncode}):\n{err[-3000:]}")
-        else:
-            assert self.thread is not None
-            self.thread.join(timeout=300)
-            if self.error:
-                raise self.error
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise RuntimeError(f"{self.side}: the run did not end") from None
+        if self.proc.returncode:
+            raise RuntimeError(f"{self.side} run failed ({self.proc.returncode}):\n{err[-3000:]}")
 
 
 def _steps(rows: list[dict], first: int, last: int) -> dict:
@@ -231,25 +233,39 @@ def measured_run(side: str, llm: Path, size: dict, storage: Path, name: str) -> 
     first, last = size["window"]
     run = Run(side, llm, size, storage, name)
     run.wait_rows(first)
-    a, t0 = sample(), time.monotonic()
+    a, t0 = sample(run.pid), time.monotonic()
     run.wait_rows(last)
-    b, t1 = sample(), time.monotonic()
+    b, t1 = sample(run.pid), time.monotonic()
     run.finish()
     return {**_steps(run.rows(), first, last), **breakdown(side, a, b, t1 - t0)}
 
 
-def set_policy(policy: int) -> int:
-    """Every thread of Ray's non-training processes to `policy`; how many were set."""
-    n = 0
-    threads, _ = sample()
-    for (pid, tid), v in threads.items():
-        if is_ray_helper(v["cmd"]):
+class HelperPolicy:
+    """Ray's non-training processes of one run (its tree) to SCHED_IDLE and back to
+    what each thread had. SCHED_RESET_ON_FORK: a process they start gets the default."""
+
+    def __init__(self, root: int):
+        self.root = root
+        self.saved: dict[int, tuple[int, int]] = {}
+
+    def idle(self) -> int:
+        threads, _ = sample(self.root)
+        for (_, tid), v in threads.items():
+            if is_ray_helper(v["cmd"]) and tid not in self.saved:
+                try:
+                    self.saved[tid] = (os.sched_getscheduler(tid), os.sched_getparam(tid).sched_priority)
+                    os.sched_setscheduler(tid, os.SCHED_IDLE | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+                except OSError:  # ended meanwhile
+                    self.saved.pop(tid, None)
+        return len(self.saved)
+
+    def restore(self) -> None:
+        for tid, (policy, priority) in self.saved.items():
             try:
-                os.sched_setscheduler(tid, policy, os.sched_param(0))
-                n += 1
-            except OSError:  # ended meanwhile
+                os.sched_setscheduler(tid, policy, os.sched_param(priority))
+            except OSError:
                 pass
-    return n
+        self.saved.clear()
 
 
 def sched_idle_run(llm: Path, size: dict, storage: Path, name: str) -> dict:
@@ -257,19 +273,22 @@ def sched_idle_run(llm: Path, size: dict, storage: Path, name: str) -> dict:
     processes at SCHED_IDLE, alternating. Median step time of each kind of phase."""
     warm, phase, phases = size["window"][0], size["phase"], size["phases"]
     run = Run("ray", llm, {**size, "steps": warm + phase * phases + 2}, storage, name)
+    policy = HelperPolicy(run.pid)
     kinds: dict[str, list[float]] = {"default": [], "sched_idle": []}
     helpers = 0
     try:
         for i in range(phases):
             kind = "sched_idle" if i % 2 else "default"
             run.wait_rows(warm + i * phase)
-            n = set_policy(os.SCHED_IDLE if kind == "sched_idle" else os.SCHED_OTHER)
-            helpers = max(helpers, n)
+            if kind == "sched_idle":
+                helpers = max(helpers, policy.idle())
+            else:
+                policy.restore()
             run.wait_rows(warm + (i + 1) * phase)
             # the phase's first step straddles the switch: left out
             kinds[kind] += [r["step_time_s"] for r in run.rows()[warm + i * phase + 1:warm + (i + 1) * phase]]
     finally:
-        set_policy(os.SCHED_OTHER)
+        policy.restore()
         run.finish()
     med = {k: round(statistics.median(v), 4) for k, v in kinds.items()}
     return {"phases": phases, "steps_per_phase": phase, "helper_threads_set": helpers,
@@ -301,7 +320,8 @@ def measure(work: Path, *, smoke: bool, repeats: int | None, sched_idle: bool,
                            for k in ("on_cpu", "runq_wait", "off_cpu", "preempted_per_s")},
                         "cpu_s_per_step": round(statistics.median(t["on_cpu"] for t in th)
                                                 * statistics.median(r["step_s"] for r in rs), 4),
-                        "ray_processes": rs[0]["ray_processes"],
+                        "ray_processes": {k: statistics.median(r["ray_processes"][k] for r in rs)
+                                          for k in ("count", "cores", "wakeups_per_s")},
                         "machine_busy_cores": statistics.median(r["machine_busy_cores"] for r in rs)}
     result["ray_over_torchrun_step"] = round(result["ray"]["step_s"] / result["torchrun"]["step_s"], 3)
     if sched_idle:
@@ -319,7 +339,7 @@ def table(result: dict) -> str:
         rp = e["ray_processes"]
         lines.append(f"| {side} | {e['step_s']:.3f} | {e['on_cpu']:.3f} | {e['runq_wait']:.3f} | {e['off_cpu']:.3f} | "
                      f"{e['preempted_per_s']:.0f} | {e['cpu_s_per_step']:.3f} | "
-                     f"{rp['count']}, {rp['cores']:.3f}, {rp['wakeups_per_s']:,} | {e['machine_busy_cores']:.2f} |")
+                     f"{rp['count']:.0f}, {rp['cores']:.3f}, {rp['wakeups_per_s']:,.0f} | {e['machine_busy_cores']:.2f} |")
     return "\n".join(lines)
 
 

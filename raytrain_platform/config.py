@@ -37,6 +37,7 @@ from raytrain_platform.units import parse_size
 
 __all__ = [
     "JobConfig",
+    "read_yaml",
     "ModelConfig",
     "DataConfig",
     "TrainConfig",
@@ -720,17 +721,26 @@ def load_config(source: str | os.PathLike | dict | JobConfig,
     elif isinstance(source, dict):
         data = dict(source)
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError("config", str(path), "an existing YAML file")
-        try:
-            data = yaml.safe_load(path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise ConfigError("config", str(path), f"a UTF-8 YAML file (byte {exc.start} is not UTF-8)") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError("config", str(path), f"valid YAML (parse error at{where})") from None
+        data = read_yaml(Path(source))
         if data is None:
             data = {}
     return JobConfig.from_dict(apply_overrides(data, overrides))
+
+
+def read_yaml(path: Path, what: str = "config") -> Any:
+    """A YAML file's data (``safe_load``: tags that would build Python objects are
+    refused), or one `ConfigError` naming `what` and the file: missing, unreadable, not
+    UTF-8, or not YAML (with the line)."""
+    if not path.is_file():
+        raise ConfigError(what, str(path), "an existing YAML file")
+    try:
+        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ConfigError(what, str(path), f"a readable YAML file ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(what, str(path), f"a UTF-8 YAML file (byte {exc.start} is not UTF-8)") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        problem = " ".join(str(getattr(exc, "problem", None) or "").split())
+        raise ConfigError(what, str(path), f"valid YAML (parse error{where}{': ' + problem if problem else ''})") from None

@@ -17,11 +17,10 @@ import os
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors.torch import load_file
 from torch import nn
 
-from raytrain_platform.config import JobConfig, load_config
+from raytrain_platform.config import JobConfig, load_config, read_yaml
 from raytrain_platform.core.checkpoint import WEIGHTS_FILE, read_state, read_weights, write_state
 from raytrain_platform.core.sharded import load_full_model_state, load_saved_tensors
 from raytrain_platform.core.weights import load_safetensors
@@ -62,14 +61,12 @@ def _load_job_config(ckpt: Path, *, trust_builder: bool = False) -> JobConfig:
     if not path.is_file():
         raise CheckpointError(f"{ckpt}: no {CONFIG_FILE} (partial checkpoint)")
     try:
-        raw = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        raw = read_yaml(path)
         if not isinstance(raw, dict):
             raise ConfigError("config", type(raw).__name__, "a mapping of sections (model, data, train, ...)")
         cfg = load_config(raw)
-    except (ConfigError, yaml.YAMLError, UnicodeDecodeError) as exc:
+    except ConfigError as exc:
         raise CheckpointError(f"{path}: unusable config ({_one_line(exc)})") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: unreadable ({exc.strerror or exc})") from None
     if IMPORT_PATH.match(cfg.model.name) and not trust_builder:
         raise CheckpointError(f"{path}: model.name {cfg.model.name!r} is a Python import path: loading "
                               f"this run imports and calls it; pass {TRUST_HINT} if you trust this "
@@ -191,12 +188,12 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     if format == "hf":
         parse_size("--max-shard-size", max_shard_size)
     if out is not None:  # checked before anything is loaded or written
-        _check_out(Path(out), Path(path))
+        _check_out(Path(out), Path(path), flag="--out")
     model, cfg, info = load_model_for_inference(path, merge_adapters=format != "peft", trust_builder=trust_builder)
     family = get_family(cfg.model.name)
     ckpt = Path(info["source"])
     target = Path(out) if out is not None else ckpt.parent / "export"
-    _check_out(target, ckpt)
+    _check_out(target, ckpt, flag="--out" if out is not None else "the default export folder")
     target.mkdir(parents=True, exist_ok=True)
     if format == "peft":
         _write_peft(model, cfg, target)
@@ -212,19 +209,23 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     return target
 
 
-def _check_out(target: Path, source: Path) -> None:
-    """An export never writes over a run or a checkpoint: `target` must not be the
-    source, a run directory, or in a checkpoint directory (their config.yaml and weights
-    would be replaced). An earlier export there is replaced; ``RUN/export`` is the default."""
+def _check_out(target: Path, source: Path, *, flag: str) -> None:
+    """An export never writes over what it did not write: `target` must not be the
+    source, a run directory or a folder of them, a Hugging Face model folder that is not
+    an export (a base model's weights), or in a checkpoint directory (their config and
+    weights would be replaced). An earlier export there is replaced; ``RUN/export`` is
+    the default."""
     t = target.resolve()
     if t.exists() and not t.is_dir():
-        raise ConfigError("--out", str(target), "a directory (this is a file)")
-    holds_run = t.is_dir() and (latest_checkpoint(t) is not None
-                                or ((t / CONFIG_FILE).exists() and not (t / EXPORT_INFO_FILE).exists()))
+        raise ConfigError(flag, str(target), "a directory (this is a file)")
+    ours = (t / EXPORT_INFO_FILE).exists()
+    holds_run = t.is_dir() and not ours and (
+        latest_checkpoint(t) is not None or (t / CONFIG_FILE).exists() or (t / HF_CONFIG_FILE).exists()
+        or any(latest_checkpoint(d) is not None for d in t.iterdir() if d.is_dir()))
     in_checkpoint = any((d / STATE_FILE).exists() for d in (t, *t.parents))
     if t == source.resolve() or holds_run or in_checkpoint:
-        raise ConfigError("--out", str(target), "a directory outside the source that holds no run or checkpoint "
-                          "(an export there would overwrite its files)")
+        raise ConfigError(flag, str(target), "a directory outside the source that holds no run, checkpoint or "
+                          "model of its own (an export there would overwrite its files)")
 
 
 def _load_adapters(model: nn.Module, cfg: JobConfig, ckpt: Path, *, sharded: bool, merge: bool) -> nn.Module:

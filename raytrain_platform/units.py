@@ -28,9 +28,10 @@ SIZE_HELP = "a size like 80GiB or 24GB (units B, KB, MB, GB, TB, KiB, MiB, GiB, 
 def parse_size(field: str, text: str) -> int:
     match = re.fullmatch(_NUMBER + r"\s*([A-Za-z]*)", str(text).strip())
     unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS or not 0 < float(match.group(1)) < math.inf:
+    size = float(match.group(1)) * _SIZE_UNITS[unit] if match and unit in _SIZE_UNITS else 0.0
+    if not 0 < size < math.inf:
         raise ConfigError(field, text, SIZE_HELP + ", > 0")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    return int(size)
 
 
 def parse_count(field: str, text: str) -> int:

@@ -54,7 +54,7 @@ def _damage_state(ckpt: Path, state) -> None:
     (lambda c: (c / "trainer_state.json").write_bytes(b'{"state": "\xff"}'), "unreadable trainer state"),
     (lambda c: (c / "config.yaml").write_text(""), "unusable config (config = 'NoneType': expected a mapping"),
     (lambda c: (c / "config.yaml").write_text("- a\n- b\n"), "unusable config (config = 'list'"),
-    (lambda c: (c / "config.yaml").write_bytes(b"model:\n\xff\n"), "unusable config ('utf-8' codec"),
+    (lambda c: (c / "config.yaml").write_bytes(b"model:\n\xff\n"), "expected a UTF-8 YAML file (byte 7 is not UTF-8)"),
 ])
 def test_a_damaged_checkpoint_is_refused_in_one_line(copy, tmp_path, capsys, damage, needle):
     """The serving catalog would otherwise start, then answer every request with a 500."""
@@ -85,9 +85,13 @@ def test_an_export_never_writes_over_the_run_it_reads(run, copy, tmp_path, capsy
     before anything is read, and the checkpoint stays byte for byte."""
     ckpt = latest_checkpoint(copy)
     before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
-    for source, out in [(copy, ckpt), (ckpt, ckpt), (copy, ckpt / "sub"), (ckpt, copy), (copy, run)]:
+    hf_model = tmp_path / "base_model"  # a Hugging Face folder that is not an export: a base's weights
+    hf_model.mkdir()
+    (hf_model / "config.json").write_text("{}")
+    for source, out in [(copy, ckpt), (ckpt, ckpt), (copy, ckpt / "sub"), (ckpt, copy), (copy, run),
+                        (copy, copy.parent), (copy, hf_model)]:
         _one_line_exit_2(["export", str(source), "--out", str(out)], capsys,
-                         "expected a directory outside the source that holds no run or checkpoint")
+                         "expected a directory outside the source that holds no run, checkpoint or model")
     assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
     assert latest_checkpoint(copy) == ckpt
     (tmp_path / "a_file").write_text("x")
@@ -162,16 +166,19 @@ def test_serve_options_must_be_finite(run, key, value, needle):
     assert needle in str(err.value), str(err.value)
 
 
-def test_a_checkpoint_config_is_read_as_yaml_only(copy):
-    """A run's config.yaml with a Python tag is refused (safe_load), never constructed."""
+def test_a_checkpoint_config_is_read_as_yaml_only(copy, tmp_path):
+    """A run's config.yaml whose value is a Python tag is refused (safe_load); read
+    with an unsafe loader it would run the command."""
     from raytrain_platform.export import load_model_for_inference
 
-    ckpt = latest_checkpoint(copy)
+    ckpt, marker = latest_checkpoint(copy), tmp_path / "ran"
     config = ckpt / "config.yaml"
-    config.write_text("!!python/object/apply:os.system ['true']\n" + config.read_text())
-    with pytest.raises(CheckpointError, match="unusable config"):
+    text = config.read_text()
+    assert text.count("name: clf") == 1
+    config.write_text(text.replace("name: clf", f"name: !!python/object/apply:os.system ['touch {marker}']"))
+    with pytest.raises(CheckpointError, match="unusable config.*could not determine a constructor"):
         load_model_for_inference(ckpt)
-    assert yaml.safe_load((copy / "config.yaml").read_text())["run"]["name"] == "clf"
+    assert not marker.exists()
 
 
 def test_a_dangling_symlink_in_a_text_folder_is_named(tmp_path, capsys):

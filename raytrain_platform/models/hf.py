@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_platform.errors import ConfigError
+from raytrain_platform.units import parse_size
 from raytrain_platform.models.family import ModelFamily, ServingSpec
 
 if TYPE_CHECKING:
@@ -80,8 +81,9 @@ def read_hf_config(path: str) -> dict:
     return config
 
 
-_CONFIG_COUNTS = ("max_position_embeddings", "vocab_size", "hidden_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim")
+# What the platform's own checks compare (seq_len, tokenizer size, TP heads); other keys
+# are the architecture's business (Gemma 3n's intermediate_size is a list).
+_CONFIG_COUNTS = ("max_position_embeddings", "vocab_size", "num_attention_heads", "num_key_value_heads")
 
 
 def weight_files(path: str) -> list[str]:
@@ -283,7 +285,8 @@ class HFFamily(ModelFamily):
         from transformers import AutoTokenizer
 
         # a transformers model; nn.Module types its attributes as Tensor | Module
-        model.save_pretrained(out, max_shard_size=max_shard_size)  # type: ignore[operator]
+        # As bytes: transformers' own parser reads "5gb" as gigabits and refuses "1.5GB".
+        model.save_pretrained(out, max_shard_size=parse_size("--max-shard-size", max_shard_size))  # type: ignore[operator]
         source = tokenizer or kwargs["path"]
         try:
             tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)

@@ -28,7 +28,9 @@ from raytrain_platform.models.registry import FAMILIES, family_names, get_family
 from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, preset_shape
 from raytrain_platform.units import SIZE_HELP, parse_count, parse_size
 
-MAX_COUNT = 1_000_000  # any count flag: devices, nodes, batch, layers, heads, ...
+MAX_COUNT = 1_000_000  # devices, nodes, global batch, tp, pp
+MAX_SHAPE = 1_000_000_000  # a model's sizes
+SHAPE_FLAGS = ("--layers", "--hidden", "--heads", "--seq-len", "--vocab")
 
 __all__ = ["add_plan_arguments", "run_plan", "parse_size", "parse_count", "format_plan", "plan_to_dict"]
 
@@ -40,9 +42,11 @@ def _int(flag: str, text: str | None, default: None = None) -> int | None: ...
 def _int(flag: str, text: str | None, default: int | None = None) -> int | None:
     if text is None:
         return default
-    # Bounded: the guide enumerates divisors of device counts and batches.
-    if not re.fullmatch(r"\+?\d{1,12}", text.strip()) or not 1 <= int(text) <= MAX_COUNT:
-        raise ConfigError(flag, text, f"an integer from 1 to {MAX_COUNT:,}")
+    # Bounded: the guide enumerates divisors of device counts and batches; model sizes
+    # (a 1M-token context, a 256k vocabulary) may be larger.
+    limit = MAX_SHAPE if flag in SHAPE_FLAGS else MAX_COUNT
+    if not re.fullmatch(r"\+?\d{1,12}", text.strip()) or not 1 <= int(text) <= limit:
+        raise ConfigError(flag, text, f"an integer from 1 to {limit:,}")
     return int(text)
 
 

@@ -244,6 +244,9 @@ class ModelServer:
         entry = self._resolve(body.model, "predict")
         self._check_rows(entry, body.rows)
         out = await self._submit(self._predict_batch, "predict", (entry["id"], body.rows))
+        if out.predictions is None:
+            raise error(422, "rows: the model's output is not finite for these rows (inputs too large "
+                             "for it?); nothing was predicted")
         return PredictResponse(model=entry["id"], step=entry["step"], predictions=out.predictions,
                                probabilities=out.probabilities)
 

@@ -24,7 +24,7 @@ __all__ = ["Prediction", "predict", "GenerationJob", "generate"]
 
 @dataclass(frozen=True)
 class Prediction:
-    predictions: list  # class index per row (classification) or value (regression)
+    predictions: list | None  # class index per row (classification) or value (regression); None: not finite
     probabilities: list[list[float]] | None  # per row, per class (classification only)
 
 
@@ -41,6 +41,9 @@ def predict(model: nn.Module, requests: list[list[list[float]]], *, classificati
     out = model(x).float().cpu()
     results = []
     for part in torch.split(out, sizes):
+        if not bool(torch.isfinite(part).all()):  # inputs the model overflows on: this request only
+            results.append(Prediction(None, None))
+            continue
         if classification:
             probs = torch.softmax(part, dim=-1)
             results.append(Prediction(probs.argmax(-1).tolist(), probs.tolist()))

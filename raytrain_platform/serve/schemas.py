@@ -17,12 +17,21 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 __all__ = ["PredictRequest", "PredictResponse", "GenerateRequest", "GenerateResponse",
            "ModelInfo", "ModelsResponse", "HealthResponse", "BatchStats", "ErrorResponse", "ErrorDetail"]
 
-Feature = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+FLOAT32_MAX = 3.4028234663852886e38  # rows become float32 tensors: larger overflows to inf
+
+
+def _float32(value: float) -> float:
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{value:g} is beyond float32, the model's input type (at most 3.4e38 in size)")
+    return value
+
+
+Feature = Annotated[float, Field(strict=True, allow_inf_nan=False), AfterValidator(_float32)]
 ModelId = Annotated[Optional[str], Field(
     None, min_length=1, max_length=128,
     description="which served model (see GET /v1/models); or the serve_multiplexed_model_id "

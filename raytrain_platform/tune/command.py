@@ -20,9 +20,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from raytrain_platform.config import add_set_flag, parse_override
+from raytrain_platform.config import add_set_flag, parse_override, read_yaml
 from raytrain_platform.errors import ConfigError
 
 __all__ = ["SWEEP_KEYS", "add_sweep_arguments", "load_sweep_file", "run_sweep"]
@@ -43,12 +42,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_yaml(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise ConfigError(what, str(path), "an existing YAML file")
-    try:
-        return yaml.safe_load(path.read_bytes().decode("utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError):
-        raise ConfigError(what, str(path), "valid UTF-8 YAML") from None
+    return read_yaml(path, what)
 
 
 def load_sweep_file(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
