@@ -52,6 +52,7 @@ __all__ = [
 
 _REQUIRED: Any = dataclasses.MISSING
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # fullmatch: "$" lets a final newline in
+MAX_SYNTHETIC = 100_000_000
 SEED_LIMIT = 2**32  # numpy's and every generator's range; torch takes it too
 SEED_ALLOWED = "an integer from 0 to 2**32 - 1"
 # Experiment trackers `run.tracking` accepts; raytrain_platform/tracking/ implements each.
@@ -159,7 +160,8 @@ class DataConfig:
                "a folder or URI of Parquet files when data.source is parquet")
         _check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction,
                "a number in [0, 1)")
-        _check(self.num_samples >= 1, "data.num_samples", self.num_samples, "an integer >= 1")
+        _check(1 <= self.num_samples <= MAX_SYNTHETIC, "data.num_samples", self.num_samples,
+               f"an integer from 1 to {MAX_SYNTHETIC:,} (synthetic data: its sample ids are held in memory)")
         _check(self.num_features >= 1, "data.num_features", self.num_features, "an integer >= 1")
         _check(self.num_classes >= 2, "data.num_classes", self.num_classes, "an integer >= 2")
         _check(self.max_files is None or self.max_files >= 1, "data.max_files", self.max_files,

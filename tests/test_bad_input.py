@@ -17,7 +17,7 @@ from conftest import mlp_config, train_in_process
 from raytrain_platform.cli import main as rtp
 from raytrain_platform.config import load_config
 from raytrain_platform.core.rundir import latest_checkpoint
-from raytrain_platform.errors import CheckpointError, ConfigError
+from raytrain_platform.errors import CheckpointError, ConfigError, DataError
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +213,43 @@ def test_a_safetensors_index_with_a_wrong_weight_map_is_named(tmp_path, weight_m
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(ConfigError, match="weight_map: expected an object of tensor name -> shard file name"):
         weight_files(str(tmp_path))
+
+
+def _parquet(folder: Path, labels: list) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    n = len(labels)
+    pq.write_table(pa.table({"f0": [0.5] * n, "f1": [1.5] * n, "label": labels}), folder / "part-0.parquet")
+    return folder
+
+
+def _tabular(tmp_path: Path, data: Path, task: str) -> dict:
+    return mlp_config(tmp_path, "tab", model={"name": "mlp", "kwargs": {"hidden_sizes": [8], "task": task}},
+                      data={"source": "parquet", "path": str(data), "label_column": "label", "batch_size": 4,
+                            "val_fraction": 0.0})
+
+
+def test_a_class_index_that_would_make_a_huge_model_is_refused(tmp_path, capsys):
+    """A label of 2**40 made a model with 2**40 outputs (70 trillion parameters)."""
+    data = _parquet(tmp_path / "huge", [0, 1, 2**40] + [1] * 13)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(_tabular(tmp_path, data, "classification")))
+    _one_line_exit_2(["validate", str(tmp_path / "c.yaml")], capsys,
+                     "data.label_column = 'label': class indices below 1,000,000 (found 1099511627776")
+
+
+def test_nan_regression_labels_are_named_where_they_are(tmp_path):
+    from raytrain_platform.data import sources
+
+    data = _parquet(tmp_path / "nan", [0.5, float("nan")] + [1.0] * 14)
+    spec = sources.SourceSpec.from_config(load_config(_tabular(tmp_path, data, "regression")))
+    features = sources.describe(spec).feature_columns
+    with pytest.raises(DataError, match=r"part-0.parquet: row group 0 has NaN or infinite labels \('label'\)"):
+        list(sources.iter_source(spec, "train", features))
+
+
+def test_synthetic_data_is_bounded(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.num_samples = 10000000000000: expected an integer from 1 to "):
+        load_config(mlp_config(tmp_path, "s", data={"source": "synthetic", "batch_size": 4,
+                                                   "num_samples": 10**13}))

@@ -55,6 +55,8 @@ __all__ = [
 _SYNTH_CHUNK = 256  # rows generated together from one seeded RNG
 
 
+MAX_CLASSES = 1_000_000  # a classification label column's largest index + 1
+
 def default_text_root() -> str:
     """The Python standard library's own sources: real text every machine has."""
     return sysconfig.get_paths()["stdlib"]
@@ -379,6 +381,9 @@ def read_parquet_chunk(chunk: ParquetChunk, spec: SourceSpec, features: tuple[st
     y = y.astype(np.int64 if spec.task == "classification" else np.float32, copy=False)
     if not np.isfinite(x).all():
         raise DataError(f"{chunk.path}: row group {chunk.row_group} has NaN or infinite features")
+    if spec.task == "regression" and not np.isfinite(y).all():
+        raise DataError(f"{chunk.path}: row group {chunk.row_group} has NaN or infinite labels "
+                        f"({spec.label_column!r})")
     return spec.throttle({"x": x[keep], "y": y[keep], "sample_id": ids[keep]})
 
 
@@ -442,6 +447,9 @@ def _max_label(chunks: list[ParquetChunk], spec: SourceSpec) -> int:
             raise DataError(f"data.label_column = {spec.label_column!r}: class indices must be "
                             f">= 0 (found {lo} in {path})")
         best = max(best, hi)
+    if best >= MAX_CLASSES:
+        raise DataError(f"data.label_column = {spec.label_column!r}: class indices below {MAX_CLASSES:,} "
+                        f"(found {best}: the model would get that many outputs)")
     return int(best)
 
 
