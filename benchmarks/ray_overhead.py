@@ -20,7 +20,7 @@ wake-ups per second of every other process on the machine, Ray's own grouped by 
 (each Ray worker process wakes every 10 ms to check for signals, ``CoreWorker.CheckSignal``
 in Ray's core worker), and how busy the machine was (``/proc/stat``).
 
-``--sched-idle`` (the default; needs root) adds one Ray run whose steady steps alternate
+``--sched-idle`` (the default as root; it needs root) adds one Ray run whose steady steps alternate
 in phases between the default scheduling and every non-training Ray process (raylet, GCS,
 dashboard, Train's controller and helper actors, Ray Data's coordinator; all their
 threads) moved to ``SCHED_IDLE``, which never preempts a training thread on wake-up: the
@@ -347,14 +347,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model, a few steps, 1 repeat; writes only to --out")
     p.add_argument("--repeats", type=int, help="interleaved repeats of each side (default 2; smoke 1)")
-    p.add_argument("--sched-idle", action=argparse.BooleanOptionalAction, default=True,
-                   help="also the Ray run with its other processes at SCHED_IDLE in alternate phases (root)")
+    p.add_argument("--sched-idle", action=argparse.BooleanOptionalAction, default=None,
+                   help="also the Ray run with its other processes at SCHED_IDLE in alternate phases (needs root; default: on as root)")
     p.add_argument("--out", type=Path, help="the JSON result (default benchmarks/ray_overhead.json; with --smoke, none)")
     p.add_argument("--llm-dir", type=Path, help="reuse (or keep) the tiny model and data here")
     args = p.parse_args(argv)
     if not Path("/proc/self/schedstat").exists():
         p.error("needs Linux's per-thread scheduler statistics (/proc/PID/schedstat)")
-    if args.sched_idle and os.geteuid() != 0:
+    if args.sched_idle is None:  # default: on where it can run
+        args.sched_idle = os.geteuid() == 0
+        if not args.sched_idle:
+            print("not root: no SCHED_IDLE phases (an unprivileged thread cannot be set back from SCHED_IDLE)")
+    elif args.sched_idle and os.geteuid() != 0:
         p.error("--sched-idle needs root (an unprivileged thread cannot be set back from SCHED_IDLE); "
                 "run as root or pass --no-sched-idle")
     if args.repeats is not None and args.repeats < 1:
