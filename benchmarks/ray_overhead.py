@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model, a few steps, 1 repeat; writes only to --out")
     p.add_argument("--repeats", type=int, help="interleaved repeats of each side (default 2; smoke 1)")
     p.add_argument("--sched-idle", action=argparse.BooleanOptionalAction, default=None,
-                   help="also the Ray run with its other processes at SCHED_IDLE in alternate phases (needs root; default: on as root)")
+                   help="also the Ray run with its other processes at SCHED_IDLE in alternate phases "
+                        "(needs root; default: on as root)")
     p.add_argument("--out", type=Path, help="the JSON result (default benchmarks/ray_overhead.json; with --smoke, none)")
     p.add_argument("--llm-dir", type=Path, help="reuse (or keep) the tiny model and data here")
     args = p.parse_args(argv)

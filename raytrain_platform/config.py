@@ -745,4 +745,5 @@ def read_yaml(path: Path, what: str = "config") -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         problem = " ".join(str(getattr(exc, "problem", None) or "").split())
-        raise ConfigError(what, str(path), f"valid YAML (parse error{where}{': ' + problem if problem else ''})") from None
+        detail = f"{where}: {problem}" if problem else where
+        raise ConfigError(what, str(path), f"valid YAML (parse error{detail})") from None
