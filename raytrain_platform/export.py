@@ -24,7 +24,7 @@ from raytrain_platform.config import JobConfig, load_config, read_yaml
 from raytrain_platform.core.checkpoint import WEIGHTS_FILE, read_state, read_weights, write_state
 from raytrain_platform.core.sharded import load_full_model_state, load_saved_tensors
 from raytrain_platform.core.weights import load_safetensors
-from raytrain_platform.errors import CheckpointError, ConfigError
+from raytrain_platform.errors import CheckpointError, ConfigError, first_line
 from raytrain_platform.models.lora import ADAPTER, is_adapter, merge_lora
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.user import IMPORT_PATH
@@ -66,16 +66,12 @@ def _load_job_config(ckpt: Path, *, trust_builder: bool = False) -> JobConfig:
             raise ConfigError("config", type(raw).__name__, "a mapping of sections (model, data, train, ...)")
         cfg = load_config(raw)
     except ConfigError as exc:
-        raise CheckpointError(f"{path}: unusable config ({_one_line(exc)})") from None
+        raise CheckpointError(f"{path}: unusable config ({first_line(exc)})") from None
     if IMPORT_PATH.match(cfg.model.name) and not trust_builder:
         raise CheckpointError(f"{path}: model.name {cfg.model.name!r} is a Python import path: loading "
                               f"this run imports and calls it; pass {TRUST_HINT} if you trust this "
                               "run directory")
     return cfg
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
 
 
 def _read_export_info(directory: Path) -> dict:
@@ -193,7 +189,8 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     family = get_family(cfg.model.name)
     ckpt = Path(info["source"])
     target = Path(out) if out is not None else ckpt.parent / "export"
-    _check_out(target, ckpt, flag="--out" if out is not None else "the default export folder")
+    if out is None:  # a given --out was checked above
+        _check_out(target, ckpt, flag="the default export folder")
     target.mkdir(parents=True, exist_ok=True)
     if format == "peft":
         _write_peft(model, cfg, target)

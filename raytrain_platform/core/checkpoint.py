@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from raytrain_platform.errors import CheckpointError
+from raytrain_platform.errors import CheckpointError, first_line
 from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE, write_json
 
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "read_state", "load_model_weights",
@@ -123,7 +123,7 @@ def read_state(directory: str | os.PathLike) -> dict:
         if not isinstance(data.get("metrics", {}), dict):
             raise TypeError(f"metrics is a {type(data['metrics']).__name__}, expected an object")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON, UTF-8, shape
-        raise CheckpointError(f"{path}: unreadable trainer state ({' '.join(str(exc).split())})") from None
+        raise CheckpointError(f"{path}: unreadable trainer state ({first_line(exc)})") from None
     return data
 
 

@@ -97,9 +97,8 @@ def _parse_value(f: dataclasses.Field, value: Any) -> Any:
     what = "an integer" if kind == "int" else "a number"
     if kind == "int" and hi is None:
         hi = INT_OPTION_MAX
-    bounds = " and ".join(x for x in (f">= {lo:g}" if lo is not None else "",
-                                      f"<= {hi:g}" if isinstance(hi, float) else f"<= {hi}" if hi is not None else "")
-                          if x)
+    bounds = " and ".join(f"{op} {x:g}" if kind == "float" else f"{op} {x}"
+                          for op, x in ((">=", lo), ("<=", hi)) if x is not None)
     try:
         if isinstance(value, bool) or (kind == "int" and isinstance(value, float)):
             raise ValueError
