@@ -54,7 +54,12 @@ HZ = os.sysconf("SC_CLK_TCK")
 SIZES: dict[str, dict[str, Any]] = {
     # window: metrics rows [first, last) whose wall time is sampled (after start-up and
     # the first steps); phases: the --sched-idle run's alternating phases of `phase` steps.
-    "full": {**va.SIZES["full"], "steps": 60, "window": (10, 55), "repeats": 2, "phases": 6, "phase": 12},
+    # samples: enough chat records that every window stays inside the first epoch (5000:
+    # about 110 steps of 16 windows). A Ray run's next epoch restarts its Ray Data
+    # pipeline, a ~1.4 s wait for data here that is not the steady state measured
+    # (vs_accelerate's 2000 records hold 44 such steps; its 40 steps never cross).
+    "full": {**va.SIZES["full"], "samples": 5000, "steps": 60, "window": (10, 55), "repeats": 2,
+             "phases": 6, "phase": 12},
     "smoke": {**va.SIZES["smoke"], "steps": 24, "window": (6, 22), "repeats": 1, "phases": 2, "phase": 6},
 }
 RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env", "monitor.py")
@@ -223,6 +228,16 @@ class Run:
             raise RuntimeError(f"{self.side} run failed ({self.proc.returncode}):\n{err[-3000:]}")
 
 
+def one_epoch(rows: list[dict], first: int, last: int, what: str) -> None:
+    """Raise unless the steps from row `first` - 1 to `last` are all of one epoch: the
+    first step of an epoch includes the wait for its data, which would count as time
+    asleep (and did, before `samples` was raised)."""
+    epochs = sorted({r["epoch"] for r in rows[max(0, first - 1):last]})
+    if len(epochs) > 1:
+        raise RuntimeError(f"{what}: steps {first}-{last} cross an epoch boundary (epochs {epochs}); "
+                           "use more data (a fresh --llm-dir) or fewer steps")
+
+
 def _steps(rows: list[dict], first: int, last: int) -> dict:
     window = rows[first:last]
     step = statistics.median(r["step_time_s"] for r in window)
@@ -237,6 +252,7 @@ def measured_run(side: str, llm: Path, size: dict, storage: Path, name: str) -> 
     run.wait_rows(last)
     b, t1 = sample(run.pid), time.monotonic()
     run.finish()
+    one_epoch(run.rows(), first, last, f"{side} run {name}")
     return {**_steps(run.rows(), first, last), **breakdown(side, a, b, t1 - t0)}
 
 
@@ -290,6 +306,7 @@ def sched_idle_run(llm: Path, size: dict, storage: Path, name: str) -> dict:
     finally:
         policy.restore()
         run.finish()
+    one_epoch(run.rows(), warm, warm + phase * phases, f"the SCHED_IDLE run {name}")
     med = {k: round(statistics.median(v), 4) for k, v in kinds.items()}
     return {"phases": phases, "steps_per_phase": phase, "helper_threads_set": helpers,
             "default_step_s": med["default"], "sched_idle_step_s": med["sched_idle"],
