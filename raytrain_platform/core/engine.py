@@ -200,9 +200,10 @@ class Engine:
             loss.backward()
         return loss.detach()
 
-    def optimizer_step(self, loss_sum: torch.Tensor | None = None) -> float:
+    def optimizer_step(self, loss_sum: torch.Tensor | None = None, units: int = 0) -> float:
         """Clip, check the step is finite (`NonFiniteGuard`: stop, or skip the update and
-        set `step_skipped`), update, zero the gradients; returns the gradient norm."""
+        set `step_skipped`; its all-reduce also sums the loss and `units` over the ranks,
+        `nonfinite.totals`), update, zero the gradients; returns the gradient norm."""
         lr = lr_at(self.state.step, self.cfg.train, self.job.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -216,7 +217,7 @@ class Engine:
         clipped = self.cfg.train.grad_clip > 0
         self.step_skipped = not self.nonfinite.step_ok(
             torch.zeros(()) if loss_sum is None else loss_sum, grad_norm if clipped else None,
-            self.wrapped.module.parameters(), step=self.state.step + 1)
+            self.wrapped.module.parameters(), step=self.state.step + 1, units=units)
         if self.step_skipped:  # weights and optimizer state stay as they were
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
@@ -292,15 +293,15 @@ class Engine:
                 batches, data_wait = self._step_batches(it, accum)
                 if len(batches) < accum:  # end of epoch (only whole steps are dealt, so none)
                     break
-                loss_sum, n_units, grad_norm = self.train_step(batches, started=started, data_wait=data_wait)
+                grad_norm = self.train_step(batches, started=started, data_wait=data_wait)
                 window["steps"] += 1
                 window["wait"] += data_wait
-                window["units"] += n_units
+                window["units"] += self.nonfinite.totals[1]  # the step's, over all ranks
                 last = self.state.step == total
                 if not (self._due(cfg.run.log_every, last) or self._due(cfg.run.eval_every, last)
                         or self._due(cfg.run.checkpoint_every, last)):
                     continue
-                metrics = self._step_metrics(loss_sum, time.perf_counter() - t_prev, window, grad_norm,
+                metrics = self._step_metrics(time.perf_counter() - t_prev, window, grad_norm,
                                              self.wrapped.comm.calls - comm_before)
                 if self._due(cfg.run.eval_every, last) and self.job.data.num_val:
                     if val_cache is None:
@@ -318,12 +319,12 @@ class Engine:
                                  data_rank=self.data_rank, run_dir=self.run_dir)
         return last_metrics
 
-    def train_step(self, batches: list[Batch], *, started: float, data_wait: float) -> tuple[torch.Tensor, int, float]:
+    def train_step(self, batches: list[Batch], *, started: float, data_wait: float) -> float:
         """One optimizer step over its micro-batches (on the device): forward and backward
         each, sync the gradients, update, and advance the state; a profiled step records
         its phases (`started` is when the step began waiting for `batches`, `data_wait`
-        how long it waited). Returns the loss sum, the units (tokens, rows) and the
-        gradient norm."""
+        how long it waited). Returns the gradient norm; the step's loss and units (tokens,
+        rows) summed over the ranks are `nonfinite.totals`."""
         accum, profiler = self.cfg.train.grad_accum_steps, self.profiler
         assert len(batches) == accum, "a whole step: fit deals only whole steps"
         mode = profiler.mode(self.state.step) if profiler else None
@@ -344,7 +345,7 @@ class Engine:
             sync_grads()
         comm = self._since(t2, mode)
         t3 = time.perf_counter()
-        grad_norm = self.optimizer_step(loss_sum)
+        grad_norm = self.optimizer_step(loss_sum, n_units)
         if profiler and mode:
             profiler.record(step=self.state.step, mode=mode, data_wait_s=data_wait,
                             compute_s=compute, comm_s=comm if apart else None,
@@ -353,7 +354,7 @@ class Engine:
         self.state.step += 1
         self.state.batches_in_epoch += accum
         self.state.samples_seen += self.job.global_batch
-        return loss_sum, n_units, grad_norm
+        return grad_norm
 
     def _publish(self, metrics: dict, reporter: Reporter, log: MetricsLog | None, *, checkpoint: bool) -> None:
         """Log the metrics (rank 0) and report them, with a checkpoint when one is due and
@@ -371,14 +372,13 @@ class Engine:
             torch.cuda.synchronize(self.env.device)
         return time.perf_counter() - t0
 
-    def _step_metrics(self, loss_sum: torch.Tensor, elapsed: float, window: dict,
-                      grad_norm: float, comm_calls: int) -> dict:
+    def _step_metrics(self, elapsed: float, window: dict, grad_norm: float, comm_calls: int) -> dict:
         """Metrics of the step just taken; rates over the steps since the last report
-        (`elapsed` seconds, which include the time spent waiting for data)."""
-        # One small all-reduce: the loss of the whole global batch, not of rank 0's part.
-        packed = all_reduce_sum(torch.stack([loss_sum.float(), torch.tensor(
-            float(window["units"]), device=loss_sum.device)]))
-        # Each data-parallel group's loss and units are counted on `copies` ranks (TP/PP).
+        (`elapsed` seconds, which include the time spent waiting for data). The loss is
+        the whole global batch's, not rank 0's part: summed over the ranks by the step's
+        one all-reduce (`NonFiniteGuard`), as are `window`'s units, so reporting adds none.
+        Each data-parallel group's loss and units are counted on `copies` ranks (TP/PP)."""
+        loss_total = self.nonfinite.totals[0]
         steps = window["steps"]
         copies = self.env.world_size // self.data_world
         step_time = elapsed / steps
@@ -386,7 +386,7 @@ class Engine:
         metrics = {
             "step": self.state.step,
             "epoch": self.state.epoch,
-            "loss": float(packed[0]) / (self.wrapped.loss_ranks or self.env.world_size),
+            "loss": loss_total / (self.wrapped.loss_ranks or self.env.world_size),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm,
             "samples_per_s": samples / elapsed,
@@ -398,7 +398,7 @@ class Engine:
                if self.cfg.train.on_nonfinite == "skip_step" else {}),
         }
         if self.task.name == "lm":
-            metrics["tokens_per_s"] = float(packed[1]) / copies / elapsed
+            metrics["tokens_per_s"] = window["units"] / copies / elapsed
         metrics.update(self._memory or {})
         if self.env.device.type == "cuda":
             metrics["peak_mem_bytes"] = torch.cuda.max_memory_allocated(self.env.device)

@@ -11,15 +11,18 @@ A diverged run must not train on and rotate its good checkpoints away:
 
 Every rank must decide the same, or one rank skips (or stops) while the others wait
 in the next collective forever: the decision is one small all-reduce of
-``[loss, loss non-finite, gradient norm non-finite]`` per optimizer step, the one
-sync per step that gradient-norm clipping implies anyway.
+``[loss, loss non-finite, gradient norm non-finite, units]`` per optimizer step, the
+one sync per step that gradient-norm clipping implies anyway. The step's metrics (the
+global batch's loss and token count) come from the same all-reduce: `totals`.
 
 >>> guard = NonFiniteGuard(policy="skip_step", max_skips=2, run_dir=None)
 >>> import torch
 >>> guard.step_ok(torch.tensor(float("nan")), 1.0, [], step=7)
 False
->>> guard.skipped, guard.step_ok(torch.tensor(0.5), 1.0, [], step=8), guard.consecutive
+>>> guard.skipped, guard.step_ok(torch.tensor(0.5), 1.0, [], step=8, units=32), guard.consecutive
 (1, True, 0)
+>>> guard.totals  # summed over the ranks (one here): loss, units
+(0.5, 32.0)
 """
 
 from __future__ import annotations
@@ -60,19 +63,23 @@ class NonFiniteGuard:
         self.skipped = 0  # steps skipped by this process (the metric nonfinite_skips)
         self.consecutive = 0
         self.last_saved: str | None = None  # the newest checkpoint this process wrote
+        self.totals = (0.0, 0.0)  # the last step's loss and units, summed over the ranks
 
     def step_ok(self, loss_sum: torch.Tensor, grad_norm: float | None,
-                params: Iterable[torch.nn.Parameter], *, step: int) -> bool:
+                params: Iterable[torch.nn.Parameter], *, step: int, units: int = 0) -> bool:
         """Collective. True: take the optimizer step. False: skip it (``skip_step``).
         Raises `NonFiniteError` to stop. `grad_norm`: the global norm when clipping
         computed one (the same on every rank), else None (this rank's gradients are
-        checked, and the all-reduce shares the verdict)."""
+        checked, and the all-reduce shares the verdict). `units`: this rank's tokens (or
+        rows) in the step, summed into `totals` with the loss."""
         loss = loss_sum.detach().float().reshape(())
         grads_ok = (torch.tensor(math.isfinite(grad_norm)) if grad_norm is not None
                     else _grads_finite(params))
         packed = torch.stack([loss, (~torch.isfinite(loss)).float(),
-                              (~grads_ok.to(loss.device)).float()])
-        loss_total, loss_bad, grads_bad = all_reduce_sum(packed).tolist()
+                              (~grads_ok.to(loss.device)).float(),
+                              torch.tensor(float(units), device=loss.device)])
+        loss_total, loss_bad, grads_bad, units_total = all_reduce_sum(packed).tolist()
+        self.totals = (loss_total, units_total)
         if not (loss_bad or grads_bad):
             self.consecutive = 0
             return True
