@@ -9,9 +9,10 @@ Ray-free core under torchrun (2 ranks, gloo) with its own data reader: the engin
 loop (`Engine.fit`) exactly as it trains, without Ray Data's threads. Rank 0 is
 profiled over ``--active`` steps after ``--warmup`` steps; the engine's phases are
 marked with `record_function` (``rtp::micro_step`` = forward + backward with DDP's
-all-reduce hooks, ``rtp::optimizer_step`` = grad clip + AdamW + zero_grad,
-``rtp::step_metrics`` = the loss all-reduce and metric dict, ``rtp::next_batch`` = the
-reader) by wrapping the engine's methods in this script; the engine is unchanged.
+all-reduce hooks, ``rtp::optimizer_step`` = grad clip + the non-finite check's small
+all-reduce (which also sums the step's loss and tokens for the metrics) + AdamW +
+zero_grad, ``rtp::step_metrics`` = the metric dict, no collective, ``rtp::next_batch`` =
+the reader) by wrapping the engine's methods in this script; the engine is unchanged.
 
 Output: per-step wall time, the phases' share, and the top ops by self CPU time.
 """

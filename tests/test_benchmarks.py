@@ -130,3 +130,18 @@ def test_ray_overhead_smoke(tmp_path):
     assert result["torchrun"]["ray_processes"]["count"] == 0, result["torchrun"]
     if os.geteuid() == 0:
         assert result["sched_idle"]["helper_threads_set"] > 0 and result["sched_idle"]["sched_idle_step_s"] > 0
+
+
+def test_ray_overhead_refuses_a_window_across_an_epoch_boundary():
+    """A Ray run's next epoch restarts its Ray Data pipeline: its first step waits for
+    data, which ray_overhead.py would count as time asleep. Row i is step i + 1; the
+    window is rows [first, last), checked from the step before it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ray_overhead
+
+    rows = [{"epoch": 0}] * 44 + [{"epoch": 1}] * 16  # step 45 starts epoch 1
+    ray_overhead.one_epoch(rows, 10, 44, "run")  # steps 11-44
+    ray_overhead.one_epoch(rows, 45, 60, "run")  # steps 46-60: epoch 1 without its first step
+    for first, last in ((10, 55), (44, 60)):  # across it; from epoch 1's first step
+        with pytest.raises(RuntimeError, match=f"steps {first}-{last} cross an epoch boundary"):
+            ray_overhead.one_epoch(rows, first, last, "run")
