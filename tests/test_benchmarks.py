@@ -132,11 +132,11 @@ def test_ray_overhead_smoke(tmp_path):
         assert result["sched_idle"]["helper_threads_set"] > 0 and result["sched_idle"]["sched_idle_step_s"] > 0
 
 
-def test_ray_overhead_refuses_a_window_across_an_epoch_boundary():
+def test_ray_overhead_refuses_a_window_across_an_epoch_boundary(monkeypatch):
     """A Ray run's next epoch restarts its Ray Data pipeline: its first step waits for
     data, which ray_overhead.py would count as time asleep. Row i is step i + 1; the
     window is rows [first, last), checked from the step before it."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import ray_overhead
 
     rows = [{"epoch": 0}] * 44 + [{"epoch": 1}] * 16  # step 45 starts epoch 1
