@@ -53,9 +53,8 @@ __all__ = [
 ]
 
 _SYNTH_CHUNK = 256  # rows generated together from one seeded RNG
-
-
 MAX_CLASSES = 1_000_000  # a classification label column's largest index + 1
+
 
 def default_text_root() -> str:
     """The Python standard library's own sources: real text every machine has."""
