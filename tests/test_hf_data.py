@@ -142,6 +142,26 @@ def test_text_folder_through_the_tokenizer_packs_files_with_eos(tiny, tok, tmp_p
     assert not set(train["sample_id"]) & set(val["sample_id"]) and job.data.num_val > 0
 
 
+def test_text_groups_stream_in_chunks_of_the_same_windows(tiny, tmp_path):
+    """A text group's task yields its windows a chunk at a time (the other split's left
+    out of each chunk): any chunk size, the same windows as the whole group."""
+    from raytrain_platform.data import jsonl
+
+    folder, _ = _text_folder(tmp_path)
+    data = {"source": "text", "path": str(folder), "glob": "**/*.txt", "format": "text", "val_fraction": 0.2}
+    job = resolve_job(load_config(hf_config(tmp_path, "g", tiny, data=data)))
+    spec = sources.SourceSpec.from_config(job.config)
+    (paths,) = sources.token_pieces(spec)
+    for split in ("train", "val"):
+        whole = jsonl.text_group_windows(0, paths, spec.token_spec(), split)
+        for rows in (3, 10_000):
+            chunks = list(jsonl.stream_text_group_windows(0, paths, spec.token_spec(), split, rows=rows))
+            assert len(chunks) > (rows == 3) and all(0 < len(c["sample_id"]) <= rows for c in chunks)
+            for key in whole:
+                joined = np.concatenate([c[key] for c in chunks])
+                assert np.array_equal(joined, whole[key]), (split, rows, key)
+
+
 def test_text_without_a_tokenizer_stays_bytes(tiny, tmp_path):
     folder, texts = _text_folder(tmp_path)
     data = {"source": "text", "path": str(folder), "glob": "**/*.txt", "format": "text",
@@ -296,6 +316,36 @@ def test_ray_data_tokenizes_the_same_windows_in_the_same_order(ray_cluster, tiny
             assert set(got) == set(want) == {"tokens", "loss_mask", "sample_id"}
             for key in want:
                 assert got[key].dtype == want[key].dtype and np.array_equal(got[key], want[key]), (split, key)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_ray_data_streams_each_chunk_as_its_own_block(ray_cluster, tiny, tmp_path):
+    """A tokenizing task's chunks reach the consumer as blocks of their own, in order,
+    not as one block per file after the whole file: a consumer waits for one chunk.
+    With one task over several files (a dealt train split: one micro-batch per block)
+    the chunks stay exact across the files' ends. Ray Data cuts blocks by size;
+    `_source_dataset` sets that size from the chunk (this fails if a Ray release cuts
+    blocks another way)."""
+    from raytrain_platform.data import jsonl
+    from raytrain_platform.data.ray_data import _source_dataset, ingest_options
+
+    lines = tiny["chat"].read_text().splitlines()
+    for i in range(3):  # the same records in 3 files
+        (tmp_path / "parts").mkdir(exist_ok=True)
+        (tmp_path / "parts" / f"{i}.jsonl").write_text("\n".join(lines[i * 100:(i + 1) * 100]) + "\n")
+    for path, rows, one_task in ((tiny["chat"], 5, False), (tiny["chat"], None, False),
+                                 (tmp_path / "parts", 3, True)):
+        job = resolve_job(load_config(hf_config(tmp_path, "s", tiny, data={"path": str(path)})))
+        spec = sources.SourceSpec.from_config(job.config)
+        ds = _source_dataset(spec, "train", (), rows=rows, one_task=one_task)
+        ds.context.execution_options = ingest_options()
+        blocks = [b["sample_id"] for b in ds.iter_batches(batch_size=None, batch_format="numpy")]
+        per = rows or jsonl.stream_rows(spec.seq_len)
+        sizes = [len(b) for b in blocks]
+        assert len(sizes) >= 3 and sizes[:-1] == [per] * (len(sizes) - 1) and 0 < sizes[-1] <= per, sizes
+        assert np.array_equal(np.concatenate(blocks), split_rows(spec, "train")["sample_id"])
+        assert one_task == (len(set(np.concatenate(blocks) >> 32)) == 3)
 
 
 @pytest.mark.ray

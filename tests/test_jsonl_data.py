@@ -19,7 +19,7 @@ pytest.importorskip("tokenizers")
 
 from raytrain_platform.data.jsonl import (  # noqa: E402
     JsonlSpec, check_fits, count_windows, encode_record, iter_windows, jsonl_files,
-    jsonl_windows, load_tokenizer)
+    jsonl_windows, load_tokenizer, stream_jsonl_windows)
 from raytrain_platform.data.sources import split_mask  # noqa: E402
 from raytrain_platform.errors import ConfigError, DataError  # noqa: E402
 from raytrain_platform.tools import tiny_llm  # noqa: E402
@@ -188,6 +188,34 @@ def test_windows_ids_split_and_determinism(tiny, fmt):
     assert count_windows(spec) == tuple(counts)
     none = jsonl_windows(0, path, spec_for(tiny, fmt, val_fraction=0.0), "val")
     assert none["tokens"].shape == (0, SEQ_LEN)
+
+
+@pytest.mark.parametrize("fmt", ["text", "chat"])
+def test_windows_stream_in_chunks_of_the_same_windows(tiny, fmt):
+    """A read task yields `rows` windows at a time: any chunk size, the same windows."""
+    spec = spec_for(tiny, fmt)
+    (path,) = jsonl_files(spec)
+    for split in ("train", "val"):
+        whole = jsonl_windows(0, path, spec, split)
+        for rows in (1, 7, 10_000):
+            chunks = list(stream_jsonl_windows(0, path, spec, split, rows=rows))
+            sizes = [len(c["sample_id"]) for c in chunks]
+            assert sizes[:-1] == [rows] * (len(sizes) - 1) and 0 < sizes[-1] <= rows
+            for key in whole:
+                joined = np.concatenate([c[key] for c in chunks])
+                assert np.array_equal(joined, whole[key]), (split, rows, key)
+
+
+def test_windows_stream_before_the_whole_file_is_read(tiny, tmp_path):
+    """The first chunk comes before the file's last line is parsed: a bad last line
+    fails the stream only when it is reached, naming the file and line."""
+    lines = tiny["text"].read_text().splitlines() + ["{not json"]
+    path = write(tmp_path / "late.jsonl", lines)
+    stream = stream_jsonl_windows(0, path, spec_for(tiny, "text", path=path), "train", rows=4)
+    assert next(stream)["tokens"].shape == (4, SEQ_LEN)
+    with pytest.raises(DataError, match="not valid JSON") as exc:
+        list(stream)
+    assert one_line(exc).startswith(f"{path}:{len(lines)}: ")
 
 
 def test_prompt_completion_mask_is_the_completion(tiny, tok):

@@ -1,10 +1,11 @@
 """JSONL instruction data, tokenized with a Hugging Face tokenizer and packed into
 fixed-length windows (numpy only: no Ray, no torch).
 
-Ray Data runs `jsonl_windows` once per file inside ``map_batches`` and the Ray-free
-reader runs the same function in a loop, so both paths see the same windows in the
-same order. Everything is pure and deterministic: same files, tokenizer and spec →
-same arrays.
+Ray Data runs `stream_jsonl_windows` once per file inside ``map_batches``, which yields
+the windows a chunk at a time as it tokenizes, and the Ray-free reader runs the same
+function in a loop, so both paths see the same windows in the same order. Everything
+is pure and deterministic: same files, tokenizer and spec → same arrays, whatever the
+chunk size.
 
 Three record formats, one JSON object per line (blank lines are skipped):
 
@@ -39,7 +40,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
@@ -55,11 +56,15 @@ __all__ = [
     "jsonl_files",
     "load_tokenizer",
     "encode_record",
+    "STREAM_TOKENS",
+    "stream_rows",
+    "stream_jsonl_windows",
     "jsonl_windows",
     "iter_windows",
     "count_file_windows",
     "count_windows",
     "text_groups",
+    "stream_text_group_windows",
     "text_group_windows",
     "count_text_windows",
     "check_fits",
@@ -287,46 +292,93 @@ def encode_record(tok: Any, record: dict, spec: JsonlSpec) -> tuple[list[int], l
 
 # ---------------------------------------------------------------- windows
 
+# A read task yields its windows about this many tokens at a time, as it tokenizes: a
+# consumer (each epoch's first batch) waits for one such chunk, not for a whole file.
+STREAM_TOKENS = 1 << 13
 
-def _encode_documents(path: str, numbered: list[tuple[int, dict]], tok: Any,
-                      spec: JsonlSpec) -> tuple[np.ndarray, np.ndarray]:
-    ids: list[int] = []
-    mask: list[int] = []
-    for index, record in numbered:
+
+def stream_rows(seq_len: int) -> int:
+    """Windows per chunk a read task yields (about `STREAM_TOKENS` tokens).
+
+    >>> stream_rows(129), stream_rows(1 << 20)
+    (63, 1)
+    """
+    return max(1, STREAM_TOKENS // seq_len)
+
+
+def _check_split(split: str) -> None:
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+
+
+def _documents(file_index: int, path: str, spec: JsonlSpec) -> Iterator[tuple[bool, list[int], list[int]]]:
+    """(in val, token ids, loss mask) of each record of the file, in line order. A record
+    goes to val by a hash of ``(file_index << 32) | line_index``, before packing, so no
+    window mixes the splits."""
+    tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
+    for index, record in _read_records(path, spec):
+        line_id = np.array([(file_index << 32) | index], dtype=np.int64)
+        is_val = bool(split_mask(line_id, spec.val_fraction, "val")[0])
         try:
-            doc_ids, doc_mask = encode_record(tok, record, spec)
+            ids, mask = encode_record(tok, record, spec)
         except DataError as exc:
             raise DataError(f"{path}:{index + 1}: {exc}") from None
+        yield is_val, ids, mask
+
+
+def _pack(docs: Iterable[tuple[list[int], list[int]]], seq_len: int, first_id: int,
+          rows: int) -> Iterator[dict[str, np.ndarray]]:
+    """Documents (ids, mask) concatenated in order and cut into non-overlapping windows
+    of `seq_len` tokens (the tail is dropped), yielded `rows` windows at a time (the
+    last chunk may hold fewer) as soon as the documents fill them. Window ``i`` gets
+    ``sample_id`` ``first_id | i``."""
+    ids: list[int] = []
+    mask: list[int] = []
+    done = 0
+    chunk = rows * seq_len
+
+    def take(n: int) -> dict[str, np.ndarray]:
+        nonlocal done
+        out = {"tokens": np.asarray(ids[:n], dtype=np.int32).reshape(-1, seq_len),
+               "loss_mask": np.asarray(mask[:n], dtype=np.uint8).reshape(-1, seq_len),
+               "sample_id": np.int64(first_id) | np.arange(done, done + n // seq_len, dtype=np.int64)}
+        del ids[:n], mask[:n]
+        done += n // seq_len
+        return out
+
+    for doc_ids, doc_mask in docs:
         ids += doc_ids
         mask += doc_mask
-    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+        while len(ids) >= chunk:
+            yield take(chunk)
+    if len(ids) >= seq_len:
+        yield take(len(ids) // seq_len * seq_len)
 
 
-def _split_tokens(file_index: int, path: str, spec: JsonlSpec, splits: tuple[str, ...]) -> dict:
-    """split → (ids, mask) of the file's documents in that split, concatenated in order."""
-    tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
-    indexed = list(_read_records(path, spec))
-    line_ids = np.array([i for i, _ in indexed], dtype=np.int64)
-    is_val = split_mask((np.int64(file_index) << np.int64(32)) | line_ids, spec.val_fraction, "val")
-    out = {}
-    for split in splits:
-        chosen = [pair for pair, v in zip(indexed, is_val) if bool(v) == (split == "val")]
-        out[split] = _encode_documents(path, chosen, tok, spec)
-    return out
+def _joined(chunks: Iterable[dict[str, np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
+    """Chunks of windows as one batch (empty arrays of the right shapes if none)."""
+    parts = list(chunks)
+    if not parts:
+        return {"tokens": np.zeros((0, seq_len), np.int32), "loss_mask": np.zeros((0, seq_len), np.uint8),
+                "sample_id": np.zeros(0, np.int64)}
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def stream_jsonl_windows(file_index: int, path: str, spec: JsonlSpec, split: str, *,
+                         rows: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """`jsonl_windows`'s arrays `rows` windows at a time (default `stream_rows`),
+    each chunk yielded as soon as the file's records fill it."""
+    _check_split(split)
+    val = split == "val"
+    docs = ((ids, mask) for is_val, ids, mask in _documents(file_index, path, spec) if is_val == val)
+    first_id = (file_index << 32) | (_VAL_BIT if val else 0)
+    return _pack(docs, spec.seq_len, first_id, rows or stream_rows(spec.seq_len))
 
 
 def jsonl_windows(file_index: int, path: str, spec: JsonlSpec, split: str) -> dict[str, np.ndarray]:
     """One file's `split` documents packed into windows: ``tokens`` int32 (n, seq_len),
     ``loss_mask`` uint8 (n, seq_len) and a stable, unique ``sample_id`` int64 (n,)."""
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', not {split!r}")
-    ids, mask = _split_tokens(file_index, path, spec, (split,))[split]
-    n = ids.size // spec.seq_len  # non-overlapping; the tail is dropped
-    sample_id = ((np.int64(file_index) << np.int64(32)) | np.int64(_VAL_BIT if split == "val" else 0)
-                 | np.arange(n, dtype=np.int64))
-    return {"tokens": ids[: n * spec.seq_len].reshape(n, spec.seq_len),
-            "loss_mask": mask[: n * spec.seq_len].reshape(n, spec.seq_len),
-            "sample_id": sample_id}
+    return _joined(stream_jsonl_windows(file_index, path, spec, split), spec.seq_len)
 
 
 def iter_windows(spec: JsonlSpec, split: str) -> Iterator[dict[str, np.ndarray]]:
@@ -337,8 +389,10 @@ def iter_windows(spec: JsonlSpec, split: str) -> Iterator[dict[str, np.ndarray]]
 
 def count_file_windows(file_index: int, path: str, spec: JsonlSpec) -> tuple[int, int]:
     """(train, val) windows of one file; tokenizes it once (a Ray task can run this)."""
-    both = _split_tokens(file_index, path, spec, ("train", "val"))
-    return both["train"][0].size // spec.seq_len, both["val"][0].size // spec.seq_len
+    tokens = [0, 0]
+    for is_val, ids, _ in _documents(file_index, path, spec):
+        tokens[is_val] += len(ids)
+    return tokens[0] // spec.seq_len, tokens[1] // spec.seq_len
 
 
 def count_windows(spec: JsonlSpec) -> tuple[int, int]:
@@ -382,17 +436,25 @@ def text_groups(files: list[tuple[str, int]], group_bytes: int = TEXT_GROUP_BYTE
     return groups
 
 
-def _group_tokens(paths: tuple[str, ...], spec: JsonlSpec) -> tuple[np.ndarray, np.ndarray]:
+def _group_documents(paths: tuple[str, ...], spec: JsonlSpec) -> Iterator[tuple[list[int], list[int]]]:
     """Each file one document (BOS where the tokenizer has one, its text, EOS), in order."""
     tok = load_tokenizer(spec.tokenizer, need_chat_template=False)
-    ids: list[int] = []
-    mask: list[int] = []
     for path in paths:
         with open(path, "rb") as f:
-            doc_ids, doc_mask = _encode_text(tok, f.read().decode("utf-8", errors="replace"))
-        ids += doc_ids
-        mask += doc_mask
-    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+            yield _encode_text(tok, f.read().decode("utf-8", errors="replace"))
+
+
+def stream_text_group_windows(group_index: int, paths: tuple[str, ...], spec: JsonlSpec, split: str, *,
+                              rows: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """`text_group_windows`'s arrays about `rows` windows at a time (default
+    `stream_rows`; fewer once the other split's windows are left out), each chunk
+    yielded as soon as the group's files fill it."""
+    _check_split(split)
+    for chunk in _pack(_group_documents(paths, spec), spec.seq_len, group_index << 32,
+                       rows or stream_rows(spec.seq_len)):
+        keep = split_mask(chunk["sample_id"], spec.val_fraction, split)
+        if keep.any():
+            yield {k: v[keep] for k, v in chunk.items()}
 
 
 def text_group_windows(group_index: int, paths: tuple[str, ...], spec: JsonlSpec,
@@ -400,20 +462,14 @@ def text_group_windows(group_index: int, paths: tuple[str, ...], spec: JsonlSpec
     """One group of text files packed into windows, the `split` part of them: as the
     byte-level text source, windows (not files) go to train or val by a hash of their
     ``group_index << 32 | window_index`` id. Same arrays as `jsonl_windows`."""
-    ids, mask = _group_tokens(paths, spec)
-    n = ids.size // spec.seq_len
-    sample_id = (np.int64(group_index) << np.int64(32)) | np.arange(n, dtype=np.int64)
-    keep = split_mask(sample_id, spec.val_fraction, split)
-    return {"tokens": ids[: n * spec.seq_len].reshape(n, spec.seq_len)[keep],
-            "loss_mask": mask[: n * spec.seq_len].reshape(n, spec.seq_len)[keep],
-            "sample_id": sample_id[keep]}
+    return _joined(stream_text_group_windows(group_index, paths, spec, split), spec.seq_len)
 
 
 def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[int, int]:
     """(train, val) windows over all groups; DataError when there is no training window."""
     train = val = 0
     for g, paths in enumerate(groups):
-        n = _group_tokens(paths, spec)[0].size // spec.seq_len
+        n = sum(len(ids) for ids, _ in _group_documents(paths, spec)) // spec.seq_len
         ids = (np.int64(g) << np.int64(32)) | np.arange(n, dtype=np.int64)
         is_val = split_mask(ids, spec.val_fraction, "val")
         train, val = train + int((~is_val).sum()), val + int(is_val.sum())

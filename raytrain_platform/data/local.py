@@ -15,24 +15,6 @@ from raytrain_platform.data.sources import SourceSpec
 __all__ = ["LocalBatches"]
 
 
-def _rebatch(pieces: Iterator[dict[str, np.ndarray]], batch: int) -> Iterator[dict[str, np.ndarray]]:
-    """Cut a stream of variable-size pieces into batches of exactly `batch` rows."""
-    buf: list[dict[str, np.ndarray]] = []
-    have = 0
-    for piece in pieces:
-        n = piece["sample_id"].shape[0]
-        if not n:
-            continue
-        buf.append(piece)
-        have += n
-        while have >= batch:
-            joined = {k: np.concatenate([p[k] for p in buf]) for k in buf[0]}
-            yield {k: v[:batch] for k, v in joined.items()}
-            rest = {k: v[batch:] for k, v in joined.items()}
-            have -= batch
-            buf = [rest] if have else []
-
-
 class LocalBatches:
     """`BatchSource` over the source files directly (used under torchrun), for a
     `ResolvedJob` (its config and data sizes)."""
@@ -43,8 +25,8 @@ class LocalBatches:
         self.batch = job.config.data.batch_size
 
     def _dealt(self, split: str, rounds: int, *, world: int) -> Iterator[dict[str, torch.Tensor]]:
-        stream = _rebatch(sources.iter_source(self.spec, split, self.job.data.feature_columns),
-                          self.batch)
+        stream = sources.rebatch(sources.iter_source(self.spec, split, self.job.data.feature_columns),
+                                 self.batch, tail=False)
         for b in deal(stream, rank=self.rank % world, world=world, rounds=rounds):
             yield {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in b.items()}
 

@@ -1,8 +1,10 @@
 """Ray Data pipelines for the sources: read -> cut/tokenize/generate -> split -> shard.
 
 Tokenized sources (jsonl, text with a tokenizer) tokenize and pack in Ray Data's CPU
-tasks, one task per piece (a .jsonl file, or a group of text files): the training
-loop only receives int32 token windows and their loss masks.
+tasks, which stream their windows a chunk at a time: the training loop only receives
+int32 token windows and their loss masks. There is one task per piece (a .jsonl file,
+or a group of text files), except for a train split dealt to several workers: there
+one task reads the pieces in order and yields one micro-batch per block.
 
 Ordering is part of the contract. With ``preserve_order`` the pipeline yields
 samples in source order; for several workers it is cut into blocks of exactly one
@@ -17,11 +19,11 @@ same data at every step (the equivalence tests rely on it; the torchrun reader i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from raytrain_platform.data import sources
+from raytrain_platform.data import jsonl, sources
 from raytrain_platform.data.sources import DataInfo, SourceSpec
 from raytrain_platform.parallel.dims import ParallelDims
 
@@ -33,12 +35,12 @@ if TYPE_CHECKING:
 __all__ = ["build_datasets", "ingest_options", "parquet_dataset"]
 
 _ROWS_PER_READ = 16_384  # rows of Parquet one read task turns into one block
-# Blocks a tokenized source's task may produce ahead of the consumer. One read task holds
-# a whole .jsonl file's windows, and the repartition into one-micro-batch blocks yields
-# them from a single streaming generator, which Ray Data lets run 2 blocks ahead (its
-# private DataContext default): every micro-batch then waited for an executor round trip.
-# Measured (benchmarks/hf_data.py, tiny Llama, 2 DDP workers, one 2000-record file): a
-# median 80% of each step waiting at 2, 1-2% at 64 (0.4% unbounded).
+# Blocks a tokenized source's task may produce ahead of the consumer. Ray Data's
+# default (a private DataContext setting) lets a streaming task run only 2 blocks
+# ahead, and a dealt train split's blocks are single micro-batches: every micro-batch
+# then waited for an executor round trip. Measured (benchmarks/hf_data.py, tiny Llama,
+# 2 DDP workers, one 2000-record file): a median 80% of each step waiting at 2, 1-2% at
+# 64 (0.4% unbounded).
 _TOKEN_BLOCKS_AHEAD = 64
 
 
@@ -53,13 +55,18 @@ class _TextWindows:
 
 
 class _TokenWindows:
-    def __init__(self, spec: SourceSpec, split: str, pieces: list[tuple[str, ...]]):
-        self.spec, self.split, self.pieces = spec, split, pieces
+    """A read task over one or more pieces in order: their windows, yielded as they are
+    tokenized in chunks of exactly `rows` windows (the last may hold fewer), across
+    piece ends."""
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        parts = [sources.token_windows(int(i), self.pieces[int(i)], self.spec, self.split)
-                 for i in batch["index"]]
-        return {k: np.concatenate([p[k] for p in parts]) for k in ("tokens", "loss_mask", "sample_id")}
+    def __init__(self, spec: SourceSpec, split: str, pieces: list[tuple[str, ...]], rows: int):
+        self.spec, self.split, self.pieces, self.rows = spec, split, pieces, rows
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        chunks = (chunk for i in batch["index"]
+                  for chunk in sources.token_windows(int(i), self.pieces[int(i)], self.spec, self.split,
+                                                     rows=self.rows))
+        yield from sources.rebatch(chunks, self.rows, tail=True)
 
 
 class _Synthetic:
@@ -83,15 +90,35 @@ class _ParquetChunks:
         return {k: np.concatenate([p[k] for p in parts]) for k in ("x", "y", "sample_id")}
 
 
-def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...]) -> "ray.data.Dataset":
+def _chunk_bytes(rows: int, seq_len: int) -> int:
+    """Bytes of the block Ray Data makes of `rows` windows (its own conversion)."""
+    from ray.data.block import BlockAccessor
+
+    batch = {"tokens": np.zeros((rows, seq_len), np.int32), "loss_mask": np.zeros((rows, seq_len), np.uint8),
+             "sample_id": np.zeros(rows, np.int64)}
+    return BlockAccessor.for_block(BlockAccessor.batch_to_block(batch)).size_bytes()
+
+
+def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
+                    rows: int | None = None, one_task: bool = False) -> "ray.data.Dataset":
+    """The source's `split`, in source order. A tokenized source streams: its read tasks
+    (one per piece, or with `one_task` a single one over all pieces in order) yield
+    blocks of exactly `rows` windows (default `jsonl.stream_rows`) as they tokenize."""
     import ray.data
 
     if spec.tokenized:
         pieces = sources.token_pieces(spec)
-        # One block, hence one read task, per piece: tokenizing is the costly part.
-        ds = ray.data.from_items([{"index": i} for i in range(len(pieces))],
-                                 override_num_blocks=len(pieces))
-        return ds.map_batches(_TokenWindows(spec, split, pieces), batch_size=1, batch_format="numpy")
+        rows = rows or jsonl.stream_rows(spec.seq_len)
+        tasks = 1 if one_task else len(pieces)
+        indices = ray.data.from_items([{"index": i} for i in range(len(pieces))], override_num_blocks=tasks)
+        ds = indices.map_batches(_TokenWindows(spec, split, pieces, rows), batch_size=None if one_task else 1,
+                                 batch_format="numpy")
+        # Each chunk a task yields becomes a block at once, so a consumer waits for one
+        # chunk, not a whole file. Ray Data's output buffer (a public setting) cuts a
+        # block once it holds more than this many bytes and slices any of 1.5x or more:
+        # a chunk is 1.25x it.
+        ds.context.target_max_block_size = _chunk_bytes(rows, spec.seq_len) * 4 // 5
+        return ds
     if spec.kind == "text":
         files = sources.text_files(spec)
         items = [{"file_index": i, "path": p} for i, (p, _) in enumerate(files)]
@@ -138,9 +165,19 @@ def build_datasets(cfg: "JobConfig", info: DataInfo) -> dict[str, "ray.data.Data
     for split, rows in (("train", info.num_train), ("val", info.num_val)):
         if rows == 0:
             continue
-        ds = _source_dataset(spec, split, info.feature_columns)
-        if world > 1 and split == "train" and cfg.data.split_across_workers and \
-                not ParallelDims.from_config(cfg).model_parallel:
+        dealt = world > 1 and split == "train" and cfg.data.split_across_workers and \
+            not ParallelDims.from_config(cfg).model_parallel
+        if dealt and spec.tokenized:
+            # Exactly one micro-batch per block (see the module docstring), cut as one
+            # task tokenizes the pieces in order. Not Ray's strict repartition: as a
+            # separate operator it received a running task's blocks only when the task
+            # ended (Ray 2.60: a new execution's resource limits read zero for its first
+            # second), so every epoch's first batch waited for the first file to be
+            # tokenized whole (benchmarks/hf_data.py).
+            ds = _source_dataset(spec, split, info.feature_columns, rows=batch, one_task=True)
+        else:
+            ds = _source_dataset(spec, split, info.feature_columns)
+        if dealt and not spec.tokenized:
             # Exactly one micro-batch per block: the streaming split then deals
             # micro-batches round-robin (see the module docstring).
             ds = ds.repartition(target_num_rows_per_block=batch, strict=True)

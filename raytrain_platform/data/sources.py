@@ -23,7 +23,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
@@ -47,6 +47,7 @@ __all__ = [
     "parquet_chunks",
     "read_parquet_chunk",
     "token_pieces",
+    "rebatch",
     "token_windows",
     "describe",
     "iter_source",
@@ -202,16 +203,47 @@ def token_pieces(spec: SourceSpec) -> list[tuple[str, ...]]:
     return jsonl.text_groups(text_files(spec))
 
 
-def token_windows(index: int, piece: tuple[str, ...], spec: SourceSpec, split: str) -> dict[str, np.ndarray]:
-    """Piece `index` tokenized and packed: tokens int32 and loss_mask uint8 (n, seq_len),
-    sample_id (n,), the `split` part of it."""
+def rebatch(pieces: Iterable[dict[str, np.ndarray]], rows: int, *,
+            tail: bool) -> Iterator[dict[str, np.ndarray]]:
+    """Cut a stream of variable-size pieces into batches of exactly `rows` rows, in
+    order; the last, shorter batch is yielded when `tail`, dropped otherwise.
+
+    >>> parts = [{"x": np.arange(3)}, {"x": np.arange(3, 4)}, {"x": np.arange(4, 9)}]
+    >>> [b["x"].tolist() for b in rebatch(parts, 4, tail=True)]
+    [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    >>> [b["x"].tolist() for b in rebatch(parts, 4, tail=False)]
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
+    """
+    buf: list[dict[str, np.ndarray]] = []
+    have = 0
+    for piece in pieces:
+        n = len(next(iter(piece.values())))
+        if not n:
+            continue
+        buf.append(piece)
+        have += n
+        while have >= rows:
+            joined = {k: np.concatenate([p[k] for p in buf]) for k in buf[0]} if len(buf) > 1 else buf[0]
+            yield {k: v[:rows] for k, v in joined.items()}
+            have -= rows
+            buf = [{k: v[rows:] for k, v in joined.items()}] if have else []
+    if tail and have:
+        yield {k: np.concatenate([p[k] for p in buf]) for k in buf[0]}
+
+
+def token_windows(index: int, piece: tuple[str, ...], spec: SourceSpec, split: str, *,
+                  rows: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """Piece `index` tokenized and packed, the `split` part of it, yielded as it is
+    tokenized about `rows` windows at a time (default `jsonl.stream_rows`): tokens int32
+    and loss_mask uint8 (n, seq_len), sample_id (n,)."""
     from raytrain_platform.data import jsonl
 
     if spec.kind == "jsonl":
-        rows = jsonl.jsonl_windows(index, piece[0], spec.token_spec(), split)
+        chunks = jsonl.stream_jsonl_windows(index, piece[0], spec.token_spec(), split, rows=rows)
     else:
-        rows = jsonl.text_group_windows(index, piece, spec.token_spec(), split)
-    return spec.throttle(rows)
+        chunks = jsonl.stream_text_group_windows(index, piece, spec.token_spec(), split, rows=rows)
+    for chunk in chunks:
+        yield spec.throttle(chunk)
 
 
 def _count_tokenized(spec: SourceSpec) -> DataInfo:
@@ -457,7 +489,7 @@ def iter_source(spec: SourceSpec, split: str, features: tuple[str, ...] = ()) ->
     Ray Data pipeline produces with ``preserve_order``."""
     if spec.tokenized:
         for index, piece in enumerate(token_pieces(spec)):
-            yield token_windows(index, piece, spec, split)
+            yield from token_windows(index, piece, spec, split)
     elif spec.kind == "text":
         for i, (path, _) in enumerate(text_files(spec)):
             yield text_windows(i, path, spec, split)
