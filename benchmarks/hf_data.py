@@ -3,7 +3,8 @@ run on chat JSONL, tokenized and packed by Ray Data's CPU tasks, with the tiny L
 over 3 epochs (each epoch restarts the Ray Data pipeline).
 
     python benchmarks/hf_data.py            # ~1 min on 2 CPU cores; writes benchmarks/hf_data.json
-    python benchmarks/hf_data.py --records 20000 --epochs 2 --out /tmp/d.json  # a larger file
+    python benchmarks/hf_data.py --records 5500 --epochs 2 --out /tmp/d.json  # more records
+    python benchmarks/hf_data.py --records 5500 --repeat 5 --epochs 2 --out /tmp/d.json  # 5x the file
     python benchmarks/hf_data.py --smoke    # 2 epochs of 200 records (nothing written unless --out)
 
 The job: `tools/tiny_llm.py`'s model folder (Llama, 2 layers, d 64, 512-token BPE with a
@@ -19,11 +20,11 @@ later epoch's first step. Also recorded: the driver's count of the windows befor
 starts (it tokenizes every file once), the step time and tokens/s.
 
 Measured here (2 CPU cores; README "Tokenization in Ray Data"): each later epoch's first
-step waited 1.4 s at 2000 records and 1.5 s at 20000 while one task tokenized the whole
-file before Ray's repartition into micro-batches could pass any of it on; 0.12 s at
-both since a single task streams micro-batch blocks itself (data/ray_data.py). Before the
-tokenized source's generator could run 64 blocks ahead (Ray Data's default is 2), the
-same job waited a median 82% of each step.
+step waited 1.4 s at 2000 and 5500 records and 4.9 s with 5x the 5500, while one task
+tokenized the whole file before Ray's strict repartition into micro-batches could pass
+any of it on; about 0.1 s at each since a single task streams micro-batch blocks itself
+(data/ray_data.py). Before the tokenized source's generator could run 64 blocks ahead
+(Ray Data's default is 2), the same job waited a median 82% of each step.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _ray() -> None:
                  logging_level="WARNING", runtime_env={"env_vars": {**JOB_ENV, **ENV}})
 
 
-def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCHS) -> dict:
+def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCHS, repeat: int = 1) -> dict:
     from raytrain_platform.launch.trainer import prepare, run_job
     from raytrain_platform.tools.tiny_llm import make_all
 
@@ -89,6 +90,8 @@ def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCH
     t0 = time.perf_counter()
     tiny = make_all(work / "tiny", samples=samples)
     print(f"tiny model, tokenizer and {samples} chat records: {time.perf_counter() - t0:.1f}s", flush=True)
+    if repeat > 1:  # a larger file: the same records `repeat` times over
+        tiny["chat"].write_text(tiny["chat"].read_text() * repeat)
     cfg = job_config(work, tiny, epochs=epochs, batch=batch, seq_len=seq_len)
     t0 = time.perf_counter()
     job = prepare(cfg)  # tokenizes every file once on the driver to count the windows
@@ -98,6 +101,7 @@ def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCH
     result = run_job(job, emit=lambda line: None, tail=False)
     wall_s = time.perf_counter() - t0
     rows = result.metrics
+    records = sum(1 for line in Path(tiny["chat"]).read_text().splitlines() if line.strip())
     steady = rows[WARMUP:] if len(rows) > WARMUP else rows[-1:]
     med = {k: statistics.median(r[k] for r in steady) for k in ("data_wait_frac", "step_time_s", "tokens_per_s")}
     # log_every 1: each row is one step, so wait seconds = fraction x step time.
@@ -105,7 +109,7 @@ def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCH
     firsts = [r for prev, r in zip(rows, rows[1:]) if r["epoch"] != prev["epoch"]]
     return {
         **stamp(),
-        "job": f"tiny Llama (2 layers, d 64, vocab 512), chat JSONL ({samples} records), 2 DDP workers "
+        "job": f"tiny Llama (2 layers, d 64, vocab 512), chat JSONL ({records} records), 2 DDP workers "
                f"x micro-batch {batch}, seq_len {seq_len}, 0.5 CPU + 1 torch thread each",
         "epochs": epochs, "steps_per_epoch": job.steps_per_epoch, "steps": len(rows),
         "measured_steps": len(steady),
@@ -114,6 +118,9 @@ def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCH
         "data_wait_frac_median": round(med["data_wait_frac"], 4),
         "data_wait_frac_max": round(max(r["data_wait_frac"] for r in steady), 4),
         "data_wait_frac_overall": round(sum(wait) / sum(r["step_time_s"] for r in steady), 4),
+        "wait_s_total": round(sum(wait), 3),
+        "wait_s_in_10_worst_steps": round(sum(sorted(wait)[-10:]), 3),
+        "steps_waiting_over_5ms": sum(w > 0.005 for w in wait),
         "epoch_first_step_wait_s": [round(r["data_wait_frac"] * r["step_time_s"], 3) for r in firsts],
         "step_time_s_median": round(med["step_time_s"], 4),
         "tokens_per_s_median": round(med["tokens_per_s"], 1),
@@ -125,7 +132,8 @@ def table(r: dict) -> str:
     lines = [f"## Tokenized chat JSONL through Ray Data ({r['date']}, load {r['load_avg_1m']})", "",
              r["job"], "", "| figure | value |", "|---|---|"]
     for key in ("data_wait_frac_median", "data_wait_frac_overall", "data_wait_frac_max",
-                "epoch_first_step_wait_s", "step_time_s_median", "tokens_per_s_median",
+                "epoch_first_step_wait_s", "wait_s_total", "wait_s_in_10_worst_steps",
+                "steps_waiting_over_5ms", "step_time_s_median", "tokens_per_s_median",
                 "measured_steps", "train_windows", "driver_count_s", "run_wall_s", "meets_goal"):
         lines.append(f"| {key} | {r[key]} |")
     return "\n".join(lines)
@@ -133,14 +141,16 @@ def table(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="6 steps on 200 records (checks it runs)")
+    p.add_argument("--smoke", action="store_true", help="2 epochs of 200 records (checks it runs)")
     p.add_argument("--records", type=int, default=2000, help="chat records in the one .jsonl file")
     p.add_argument("--epochs", type=int, default=EPOCHS, help="epochs (each restarts the pipeline)")
+    p.add_argument("--repeat", type=int, default=1, help="write the records this many times over")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON result (default benchmarks/hf_data.json; with --smoke: none)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rtp-hf-data-") as tmp:
-        result = measure(Path(tmp), smoke=args.smoke, records=args.records, epochs=args.epochs)
+        result = measure(Path(tmp), smoke=args.smoke, records=args.records, epochs=args.epochs,
+                         repeat=args.repeat)
     print(table(result))
     out = args.out or (None if args.smoke else BENCH / "hf_data.json")
     if out:

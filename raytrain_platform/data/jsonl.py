@@ -311,14 +311,17 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split must be 'train' or 'val', not {split!r}")
 
 
-def _documents(file_index: int, path: str, spec: JsonlSpec) -> Iterator[tuple[bool, list[int], list[int]]]:
-    """(in val, token ids, loss mask) of each record of the file, in line order. A record
-    goes to val by a hash of ``(file_index << 32) | line_index``, before packing, so no
-    window mixes the splits."""
+def _documents(file_index: int, path: str, spec: JsonlSpec,
+               splits: tuple[str, ...] = ("train", "val")) -> Iterator[tuple[bool, list[int], list[int]]]:
+    """(in val, token ids, loss mask) of each record of the file in `splits`, in line
+    order; the other records are checked, not tokenized. A record goes to val by a hash
+    of ``(file_index << 32) | line_index``, before packing, so no window mixes the splits."""
     tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
     for index, record in _read_records(path, spec):
         line_id = np.array([(file_index << 32) | index], dtype=np.int64)
         is_val = bool(split_mask(line_id, spec.val_fraction, "val")[0])
+        if ("val" if is_val else "train") not in splits:
+            continue
         try:
             ids, mask = encode_record(tok, record, spec)
         except DataError as exc:
@@ -331,28 +334,37 @@ def _pack(docs: Iterable[tuple[list[int], list[int]]], seq_len: int, first_id: i
     """Documents (ids, mask) concatenated in order and cut into non-overlapping windows
     of `seq_len` tokens (the tail is dropped), yielded `rows` windows at a time (the
     last chunk may hold fewer) as soon as the documents fill them. Window ``i`` gets
-    ``sample_id`` ``first_id | i``."""
-    ids: list[int] = []
-    mask: list[int] = []
-    done = 0
+    ``sample_id`` ``first_id | i``. Each token is copied a bounded number of times,
+    however long a document is."""
     chunk = rows * seq_len
+    pending: list[tuple[np.ndarray, np.ndarray]] = []
+    have = done = 0
 
-    def take(n: int) -> dict[str, np.ndarray]:
+    def windows(ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
         nonlocal done
-        out = {"tokens": np.asarray(ids[:n], dtype=np.int32).reshape(-1, seq_len),
-               "loss_mask": np.asarray(mask[:n], dtype=np.uint8).reshape(-1, seq_len),
-               "sample_id": np.int64(first_id) | np.arange(done, done + n // seq_len, dtype=np.int64)}
-        del ids[:n], mask[:n]
-        done += n // seq_len
+        n = ids.size // seq_len
+        out = {"tokens": ids.reshape(n, seq_len), "loss_mask": mask.reshape(n, seq_len),
+               "sample_id": np.int64(first_id) | np.arange(done, done + n, dtype=np.int64)}
+        done += n
         return out
 
+    def joined() -> tuple[np.ndarray, np.ndarray]:
+        return np.concatenate([i for i, _ in pending]), np.concatenate([m for _, m in pending])
+
     for doc_ids, doc_mask in docs:
-        ids += doc_ids
-        mask += doc_mask
-        while len(ids) >= chunk:
-            yield take(chunk)
-    if len(ids) >= seq_len:
-        yield take(len(ids) // seq_len * seq_len)
+        pending.append((np.asarray(doc_ids, dtype=np.int32), np.asarray(doc_mask, dtype=np.uint8)))
+        have += len(doc_ids)
+        if have < chunk:
+            continue
+        ids, mask = joined()
+        whole = have // chunk * chunk
+        for start in range(0, whole, chunk):
+            yield windows(ids[start:start + chunk], mask[start:start + chunk])
+        pending, have = [(ids[whole:], mask[whole:])], have - whole
+    if have >= seq_len:
+        ids, mask = joined()
+        n = have // seq_len * seq_len
+        yield windows(ids[:n], mask[:n])
 
 
 def _joined(chunks: Iterable[dict[str, np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
@@ -370,7 +382,7 @@ def stream_jsonl_windows(file_index: int, path: str, spec: JsonlSpec, split: str
     each chunk yielded as soon as the file's records fill it."""
     _check_split(split)
     val = split == "val"
-    docs = ((ids, mask) for is_val, ids, mask in _documents(file_index, path, spec) if is_val == val)
+    docs = ((ids, mask) for _, ids, mask in _documents(file_index, path, spec, (split,)))
     first_id = (file_index << 32) | (_VAL_BIT if val else 0)
     return _pack(docs, spec.seq_len, first_id, rows or stream_rows(spec.seq_len))
 

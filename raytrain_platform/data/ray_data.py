@@ -103,7 +103,8 @@ def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
                     rows: int | None = None, one_task: bool = False) -> "ray.data.Dataset":
     """The source's `split`, in source order. A tokenized source streams: its read tasks
     (one per piece, or with `one_task` a single one over all pieces in order) yield
-    blocks of exactly `rows` windows (default `jsonl.stream_rows`) as they tokenize."""
+    blocks of exactly `rows` windows (default `jsonl.stream_rows`; each task's last
+    block may hold fewer) as they tokenize."""
     import ray.data
 
     if spec.tokenized:

@@ -19,6 +19,7 @@ seed → same bytes.
 from __future__ import annotations
 
 import argparse
+import functools
 import ast
 import inspect
 import json
@@ -117,8 +118,10 @@ def _docstrings(tree: ast.Module, prefix: str) -> Iterator[tuple[str, str]]:
             yield from _docstrings(node, qualname)  # type: ignore[arg-type]
 
 
-def _qa_pairs(n: int) -> list[tuple[str, str]]:
-    """The first `n` (question, answer) pairs from stdlib docstrings, in sorted file order."""
+@functools.lru_cache(maxsize=4)
+def _qa_pairs(n: int) -> tuple[tuple[str, str], ...]:
+    """The first `n` (question, answer) pairs from stdlib docstrings, in sorted file order;
+    ConfigError if this machine's standard library holds fewer."""
     pairs: list[tuple[str, str]] = []
     for path in _stdlib_sources():
         if any(part.startswith("_") for part in _module_name(path).split(".")):
@@ -130,8 +133,9 @@ def _qa_pairs(n: int) -> list[tuple[str, str]]:
         for qualname, answer in _docstrings(tree, _module_name(path)):
             pairs.append((f"What does `{qualname}` do?", answer))
             if len(pairs) == n:
-                return pairs
-    return pairs
+                return tuple(pairs)
+    raise ConfigError("samples", n, f"at most {len(pairs)}: the docstrings this machine's standard "
+                      "library holds")
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -270,6 +274,7 @@ def make_all(out: str | Path, *, arch: str = "llama", samples: int = 2000, vocab
     _check_model_args(arch=arch, **model_kw)  # fail before writing anything
     if not (isinstance(samples, int) and samples >= 1):
         raise ConfigError("samples", samples, "an integer >= 1")
+    _qa_pairs(samples)  # enough docstrings? (cached for make_instruction_jsonl)
     out = Path(out)
     model_dir = out / "model"
     tok = make_tokenizer(model_dir, vocab_size=vocab_size)
