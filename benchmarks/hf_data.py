@@ -101,7 +101,7 @@ def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCH
     result = run_job(job, emit=lambda line: None, tail=False)
     wall_s = time.perf_counter() - t0
     rows = result.metrics
-    records = sum(1 for line in Path(tiny["chat"]).read_text().splitlines() if line.strip())
+    written = sum(1 for line in Path(tiny["chat"]).read_text().splitlines() if line.strip())
     steady = rows[WARMUP:] if len(rows) > WARMUP else rows[-1:]
     med = {k: statistics.median(r[k] for r in steady) for k in ("data_wait_frac", "step_time_s", "tokens_per_s")}
     # log_every 1: each row is one step, so wait seconds = fraction x step time.
@@ -109,7 +109,7 @@ def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCH
     firsts = [r for prev, r in zip(rows, rows[1:]) if r["epoch"] != prev["epoch"]]
     return {
         **stamp(),
-        "job": f"tiny Llama (2 layers, d 64, vocab 512), chat JSONL ({records} records), 2 DDP workers "
+        "job": f"tiny Llama (2 layers, d 64, vocab 512), chat JSONL ({written} records), 2 DDP workers "
                f"x micro-batch {batch}, seq_len {seq_len}, 0.5 CPU + 1 torch thread each",
         "epochs": epochs, "steps_per_epoch": job.steps_per_epoch, "steps": len(rows),
         "measured_steps": len(steady),

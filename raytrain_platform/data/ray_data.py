@@ -119,6 +119,8 @@ def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
         # block once it holds more than this many bytes and slices any of 1.5x or more:
         # a chunk is 1.25x it.
         ds.context.target_max_block_size = _chunk_bytes(rows, spec.seq_len) * 4 // 5
+        if hasattr(ds.context, "_max_num_blocks_in_streaming_gen_buffer"):
+            ds.context._max_num_blocks_in_streaming_gen_buffer = _TOKEN_BLOCKS_AHEAD
         return ds
     if spec.kind == "text":
         files = sources.text_files(spec)
@@ -178,12 +180,10 @@ def build_datasets(cfg: "JobConfig", info: DataInfo) -> dict[str, "ray.data.Data
             ds = _source_dataset(spec, split, info.feature_columns, rows=batch, one_task=True)
         else:
             ds = _source_dataset(spec, split, info.feature_columns)
-        if dealt and not spec.tokenized:
-            # Exactly one micro-batch per block: the streaming split then deals
-            # micro-batches round-robin (see the module docstring).
-            ds = ds.repartition(target_num_rows_per_block=batch, strict=True)
-        if spec.tokenized and hasattr(ds.context, "_max_num_blocks_in_streaming_gen_buffer"):
-            ds.context._max_num_blocks_in_streaming_gen_buffer = _TOKEN_BLOCKS_AHEAD
+            if dealt:
+                # Exactly one micro-batch per block: the streaming split then deals
+                # micro-batches round-robin (see the module docstring).
+                ds = ds.repartition(target_num_rows_per_block=batch, strict=True)
         out[split] = ds
     return out
 

@@ -22,8 +22,8 @@ with Python 3.11 here); more is refused before anything is written.
 from __future__ import annotations
 
 import argparse
-import functools
 import ast
+import functools
 import inspect
 import json
 import os
