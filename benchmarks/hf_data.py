@@ -5,6 +5,7 @@ over 3 epochs (each epoch restarts the Ray Data pipeline).
     python benchmarks/hf_data.py            # ~1 min on 2 CPU cores; writes benchmarks/hf_data.json
     python benchmarks/hf_data.py --records 5500 --epochs 2 --out /tmp/d.json  # more records
     python benchmarks/hf_data.py --records 5500 --repeat 5 --epochs 2 --out /tmp/d.json  # 5x the file
+    python benchmarks/hf_data.py --records 5500 --repeat 5 --epochs 1 --eval-every 10 --out /tmp/e.json  # evaluations
     python benchmarks/hf_data.py --smoke    # 2 epochs of 200 records (nothing written unless --out)
 
 The job: `tools/tiny_llm.py`'s model folder (Llama, 2 layers, d 64, 512-token BPE with a
@@ -17,14 +18,19 @@ each conversation and only the assistant turns count in the loss). Each step's
 engine every step; after 5 warm-up steps the figures are its median (goal: under 5%),
 its maximum, the whole run's share (all waits / all step time) and the wait of each
 later epoch's first step. Also recorded: the driver's count of the windows before Ray
-starts (it tokenizes every file once), the step time and tokens/s.
+starts (it tokenizes every file once), the step time and tokens/s, and each evaluating
+step's wall time beyond a median step (from when each line of metrics.jsonl appears;
+the first evaluation also reads the validation batches).
 
 Measured here (2 CPU cores; README "Tokenization in Ray Data"): each later epoch's first
 step waited 1.4 s at 2000 and 5500 records and 4.9 s with 5x the 5500, while one task
 tokenized the whole file before Ray's strict repartition into micro-batches could pass
 any of it on; about 0.1 s at each since a single task streams micro-batch blocks itself
 (data/ray_data.py). Before the tokenized source's generator could run 64 blocks ahead
-(Ray Data's default is 2), the same job waited a median 82% of each step.
+(Ray Data's default is 2), the same job waited a median 82% of each step. With 5x the
+5500 records and an evaluation every 100 steps, the first evaluation took 18.35 s beyond
+a step while a validation read task waited for the train task's CPU; 0.16 s since the
+driver tokenizes the validation batches evaluation reads (data/ray_data.py).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ def tiny_llama(model_dir: str):
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
 
 
-def job_config(work: Path, tiny: dict, *, epochs: int, batch: int, seq_len: int) -> dict:
+def job_config(work: Path, tiny: dict, *, epochs: int, batch: int, seq_len: int, eval_every: int = 0) -> dict:
     return {
         "model": {"name": "hf_data:tiny_llama", "task": "lm", "kwargs": {"model_dir": str(tiny["model"])}},
         "data": {"source": "jsonl", "path": str(tiny["chat"]), "format": "chat",
@@ -65,7 +71,7 @@ def job_config(work: Path, tiny: dict, *, epochs: int, batch: int, seq_len: int)
         "parallel": {"strategy": "ddp"},
         "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "torch_threads": 1},
         "run": {"name": "chat_ddp", "storage_path": str(work / "runs"), "log_every": 1,
-                "eval_every": 0, "checkpoint_every": 0},
+                "eval_every": eval_every, "checkpoint_every": 0},
     }
 
 
@@ -82,7 +88,50 @@ def _ray() -> None:
                  logging_level="WARNING", runtime_env={"env_vars": {**JOB_ENV, **ENV}})
 
 
-def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCHS, repeat: int = 1) -> dict:
+class LineTimes:
+    """When each line of a run's metrics.jsonl appears (polled every 10 ms): the wall
+    time of a step that also evaluated, measured the same way on any version of the
+    engine."""
+
+    def __init__(self, path: Path):
+        import threading
+
+        self.path, self.times = path, []  # (seconds since start, metrics row)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        t0 = time.perf_counter()
+        while not self._stop.wait(0.01):
+            try:
+                lines = self.path.read_text().splitlines()
+            except OSError:
+                continue
+            for line in lines[len(self.times):]:
+                try:
+                    self.times.append((time.perf_counter() - t0, json.loads(line)))
+                except ValueError:  # a line being written
+                    break
+
+    def stop(self) -> list[tuple[float, dict]]:
+        self._stop.set()
+        self._thread.join()
+        return self.times
+
+
+def eval_figures(times: list[tuple[float, dict]]) -> dict:
+    """Each evaluating step's wall time beyond the median step's, but the last step's
+    (which also saves a checkpoint): the first evaluation also reads the validation
+    batches."""
+    gaps = [(b[0] - a[0], b[1]) for a, b in zip(times, times[1:-1])]
+    plain = statistics.median(g for g, row in gaps if "val_loss" not in row)
+    evals = [(row["step"], round(g - plain, 3)) for g, row in gaps if "val_loss" in row]
+    return {"eval_extra_s": evals, "first_eval_extra_s": evals[0][1] if evals else None}
+
+
+def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCHS, repeat: int = 1,
+            eval_every: int = 0) -> dict:
     from raytrain_platform.launch.trainer import prepare, run_job
     from raytrain_platform.tools.tiny_llm import make_all
 
@@ -92,14 +141,16 @@ def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCH
     print(f"tiny model, tokenizer and {samples} chat records: {time.perf_counter() - t0:.1f}s", flush=True)
     if repeat > 1:  # a larger file: the same records `repeat` times over
         tiny["chat"].write_text(tiny["chat"].read_text() * repeat)
-    cfg = job_config(work, tiny, epochs=epochs, batch=batch, seq_len=seq_len)
+    cfg = job_config(work, tiny, epochs=epochs, batch=batch, seq_len=seq_len, eval_every=eval_every)
     t0 = time.perf_counter()
     job = prepare(cfg)  # tokenizes every file once on the driver to count the windows
     count_s = time.perf_counter() - t0
     _ray()
+    lines = LineTimes(Path(job.config.run.run_dir) / "metrics.jsonl")
     t0 = time.perf_counter()
     result = run_job(job, emit=lambda line: None, tail=False)
     wall_s = time.perf_counter() - t0
+    evals = eval_figures(lines.stop())
     rows = result.metrics
     written = sum(1 for line in Path(tiny["chat"]).read_text().splitlines() if line.strip())
     steady = rows[WARMUP:] if len(rows) > WARMUP else rows[-1:]
@@ -124,6 +175,7 @@ def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCH
         "epoch_first_step_wait_s": [round(r["data_wait_frac"] * r["step_time_s"], 3) for r in firsts],
         "step_time_s_median": round(med["step_time_s"], 4),
         "tokens_per_s_median": round(med["tokens_per_s"], 1),
+        "eval_every": eval_every, **evals,
         "goal": f"data_wait_frac_median < {GOAL}", "meets_goal": med["data_wait_frac"] < GOAL,
     }
 
@@ -134,7 +186,8 @@ def table(r: dict) -> str:
     for key in ("data_wait_frac_median", "data_wait_frac_overall", "data_wait_frac_max",
                 "epoch_first_step_wait_s", "wait_s_total", "wait_s_in_10_worst_steps",
                 "steps_waiting_over_5ms", "step_time_s_median", "tokens_per_s_median",
-                "measured_steps", "train_windows", "driver_count_s", "run_wall_s", "meets_goal"):
+                "measured_steps", "train_windows", "driver_count_s", "run_wall_s", "eval_every",
+                "first_eval_extra_s", "eval_extra_s", "meets_goal"):
         lines.append(f"| {key} | {r[key]} |")
     return "\n".join(lines)
 
@@ -145,12 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--records", type=int, default=2000, help="chat records in the one .jsonl file")
     p.add_argument("--epochs", type=int, default=EPOCHS, help="epochs (each restarts the pipeline)")
     p.add_argument("--repeat", type=int, default=1, help="write the records this many times over")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate every N steps (default 0: once, at the last step)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON result (default benchmarks/hf_data.json; with --smoke: none)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rtp-hf-data-") as tmp:
         result = measure(Path(tmp), smoke=args.smoke, records=args.records, epochs=args.epochs,
-                         repeat=args.repeat)
+                         repeat=args.repeat, eval_every=args.eval_every)
     print(table(result))
     out = args.out or (None if args.smoke else BENCH / "hf_data.json")
     if out:

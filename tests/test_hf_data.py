@@ -301,18 +301,27 @@ def test_rtp_validate_rejects_bad_input_in_one_line(validate_runs, case):
 @pytest.mark.timeout(300)
 def test_ray_data_tokenizes_the_same_windows_in_the_same_order(ray_cluster, tiny, tmp_path):
     """Ray Data's tokenizing tasks and the Ray-free reader: the same arrays, in order
-    (chat JSONL, and a text folder through the tokenizer)."""
+    (chat JSONL, and a text folder through the tokenizer). The validation split is what
+    evaluation reads, its first `run.eval_batches` micro-batches, already in memory: no
+    read task (which could wait for a CPU the train split's task holds)."""
+    from ray.data.dataset import MaterializedDataset
+
     from raytrain_platform.data.ray_data import build_datasets, ingest_options
 
     folder, _ = _text_folder(tmp_path)
     for data in ({}, {"source": "text", "path": str(folder), "glob": "**/*.txt", "format": "text"}):
-        job = resolve_job(load_config(hf_config(tmp_path, "r", tiny, data=data)))
+        job = resolve_job(load_config(hf_config(tmp_path, "r", tiny, data=data, run={"eval_batches": 1})))
         spec = sources.SourceSpec.from_config(job.config)
-        for split, ds in build_datasets(job.config, job.data).items():
+        assert job.data.num_val > 4  # so that the validation dataset is cut short
+        datasets = build_datasets(job.config, job.data)
+        assert set(datasets) == {"train", "val"} and isinstance(datasets["val"], MaterializedDataset)
+        for split, ds in datasets.items():
             ds.context.execution_options = ingest_options()
             got = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
             got = {k: np.concatenate([b[k] for b in got]) for k in got[0]}
             want = split_rows(spec, split)
+            if split == "val":  # eval_batches x batch_size x 1 worker
+                want = {k: v[:4] for k, v in want.items()}
             assert set(got) == set(want) == {"tokens", "loss_mask", "sample_id"}
             for key in want:
                 assert got[key].dtype == want[key].dtype and np.array_equal(got[key], want[key]), (split, key)
@@ -392,7 +401,10 @@ def test_two_ddp_workers_on_chat_shard_disjointly_and_match_one_process(ray_clus
     losses = [r["loss"] for r in result.metrics]
     assert len(losses) == 8 and losses[-1] < losses[0], losses
     assert_losses_close(losses, [r["loss"] for r in reference], rtol=RTOL)
-    assert "val_loss" in result.metrics[-1] and 0.0 <= result.metrics[-1]["data_wait_frac"] <= 1.0
+    assert 0.0 <= result.metrics[-1]["data_wait_frac"] <= 1.0
+    # The same validation windows (the first rounds, dealt over 2 ranks or read by one).
+    assert result.metrics[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], rel=RTOL)
+    assert result.metrics[-1]["eval_s"] > 0
 
 
 # ---------------------------------------------------------------- resume (torchrun, no Ray)

@@ -304,9 +304,12 @@ class Engine:
                 metrics = self._step_metrics(time.perf_counter() - t_prev, window, grad_norm,
                                              self.wrapped.comm.calls - comm_before)
                 if self._due(cfg.run.eval_every, last) and self.job.data.num_val:
+                    t_eval = time.perf_counter()
                     if val_cache is None:
                         val_cache = source.val_batches(cfg.run.eval_batches)
                     metrics.update(self.evaluate(val_cache))
+                    # the first evaluation's also reads the validation batches
+                    metrics["eval_s"] = time.perf_counter() - t_eval
                 self._publish(metrics, reporter, log, checkpoint=self._due(cfg.run.checkpoint_every, last))
                 last_metrics = metrics
                 t_prev = time.perf_counter()

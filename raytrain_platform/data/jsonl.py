@@ -39,6 +39,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -62,6 +64,7 @@ __all__ = [
     "jsonl_windows",
     "iter_windows",
     "count_file_windows",
+    "CountProgress",
     "count_windows",
     "text_groups",
     "stream_text_group_windows",
@@ -399,23 +402,72 @@ def iter_windows(spec: JsonlSpec, split: str) -> Iterator[dict[str, np.ndarray]]
         yield jsonl_windows(file_index, path, spec, split)
 
 
-def count_file_windows(file_index: int, path: str, spec: JsonlSpec) -> tuple[int, int]:
+class CountProgress:
+    """Progress of the driver's count pass, on stderr: nothing for a pass shorter than
+    `quiet` seconds, then a line every `every` seconds and one at the end.
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> p = CountProgress("data.path", quiet=0.0, every=3600.0, out=out)
+    >>> p.add(120)
+    >>> p.done(7, 1)
+    >>> print(out.getvalue(), end="")  # doctest: +ELLIPSIS
+    data.path: tokenizing to count the windows: 1 document, 120 tokens so far (0 s)
+    data.path: tokenized 1 document, 120 tokens: 7 train and 1 validation windows in ...s
+    """
+
+    def __init__(self, what: str, *, quiet: float = 5.0, every: float = 10.0, out: Any = None):
+        self.what, self.quiet, self.every, self.out = what, quiet, every, out
+        self.docs = self.tokens = 0
+        self.started = time.monotonic()
+        self.next_line = self.started + quiet
+        self.printed = False
+
+    def _print(self, line: str) -> None:
+        print(f"{self.what}: {line}", file=self.out or sys.stderr, flush=True)
+        self.printed = True
+
+    def _so_far(self) -> str:
+        return f"{self.docs:,} document{'s' * (self.docs != 1)}, {self.tokens:,} tokens"
+
+    def add(self, tokens: int) -> None:
+        """One more document of `tokens` tokens."""
+        self.docs, self.tokens = self.docs + 1, self.tokens + tokens
+        now = time.monotonic()
+        if now >= self.next_line:
+            self._print(f"tokenizing to count the windows: {self._so_far()} so far "
+                        f"({now - self.started:.0f} s)")
+            self.next_line = now + self.every
+
+    def done(self, train: int, val: int) -> None:
+        if self.printed:
+            self._print(f"tokenized {self._so_far()}: {train:,} train and {val:,} validation "
+                        f"windows in {time.monotonic() - self.started:.1f}s")
+
+
+def count_file_windows(file_index: int, path: str, spec: JsonlSpec,
+                       progress: CountProgress | None = None) -> tuple[int, int]:
     """(train, val) windows of one file; tokenizes it once (a Ray task can run this)."""
     tokens = [0, 0]
     for is_val, ids, _ in _documents(file_index, path, spec):
         tokens[is_val] += len(ids)
+        if progress:
+            progress.add(len(ids))
     return tokens[0] // spec.seq_len, tokens[1] // spec.seq_len
 
 
 def count_windows(spec: JsonlSpec) -> tuple[int, int]:
-    """(train, val) windows over all files; DataError when there is no training window."""
+    """(train, val) windows over all files; DataError when there is no training window.
+    A pass of more than a few seconds reports its progress on stderr."""
     train = val = 0
+    progress = CountProgress("data.path")
     for file_index, path in enumerate(jsonl_files(spec)):
-        t, v = count_file_windows(file_index, path, spec)
+        t, v = count_file_windows(file_index, path, spec, progress)
         train, val = train + t, val + v
     if train == 0:
         raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = "
                         f"{spec.seq_len - 1} tokens (+1) (too little data, or lower data.seq_len)")
+    progress.done(train, val)
     return train, val
 
 
@@ -480,8 +532,13 @@ def text_group_windows(group_index: int, paths: tuple[str, ...], spec: JsonlSpec
 def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[int, int]:
     """(train, val) windows over all groups; DataError when there is no training window."""
     train = val = 0
+    progress = CountProgress("data.path")
     for g, paths in enumerate(groups):
-        n = sum(len(ids) for ids, _ in _group_documents(paths, spec)) // spec.seq_len
+        tokens = 0
+        for ids, _ in _group_documents(paths, spec):
+            tokens += len(ids)
+            progress.add(len(ids))
+        n = tokens // spec.seq_len
         ids = (np.int64(g) << np.int64(32)) | np.arange(n, dtype=np.int64)
         is_val = split_mask(ids, spec.val_fraction, "val")
         train, val = train + int((~is_val).sum()), val + int(is_val.sum())
@@ -489,6 +546,7 @@ def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[
         raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = "
                         f"{spec.seq_len - 1} tokens (+1) in the tokenized text (too little text, or "
                         "lower data.seq_len)")
+    progress.done(train, val)
     return train, val
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "token_windows",
     "describe",
     "iter_source",
+    "head",
 ]
 
 _SYNTH_CHUNK = 256  # rows generated together from one seeded RNG
@@ -502,3 +503,10 @@ def iter_source(spec: SourceSpec, split: str, features: tuple[str, ...] = ()) ->
         chunks, _ = parquet_chunks(root, rspec, field)
         for chunk in chunks:
             yield read_parquet_chunk(chunk, rspec, features, split, root)
+
+
+def head(spec: SourceSpec, split: str, rows: int,
+         features: tuple[str, ...] = ()) -> dict[str, np.ndarray] | None:
+    """The first `rows` rows of `split` in source order (all of them if it has fewer;
+    None if none), read only as far as they go."""
+    return next(rebatch(iter_source(spec, split, features), rows, tail=True), None)
