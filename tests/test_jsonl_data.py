@@ -295,6 +295,79 @@ def test_missing_or_empty_paths(tiny, tmp_path):
         count_windows(spec_for(tiny, "text", path=short))
 
 
+def test_counts_are_cached_per_file_tokenizer_and_spec(tiny, tmp_path, monkeypatch):
+    """The driver's count tokenizes a file once: a second count of the same file (path,
+    size, modification time), tokenizer files and spec reads the token sums back, at
+    any seq_len; a changed file, val_fraction or tokenizer is counted again; a broken or
+    unwritable cache is no cache."""
+    from raytrain_platform.data import jsonl
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RTP_CACHE_DIR", str(cache))
+    data = tmp_path / "chat.jsonl"
+    shutil.copy(tiny["chat"], data)
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tiny["tokenizer"], tok_dir)
+    spec = spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir))
+    counted = count_windows(spec)
+    entries = list((cache / "token-counts").iterdir())
+    assert len(entries) == 1 and json.loads(entries[0].read_text())["key"]["files"][0][0] == str(data)
+    at_128 = count_windows(spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), seq_len=129))
+
+    real_documents = jsonl._documents
+
+    def tokenizes(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(jsonl, "_documents", tokenizes)
+    assert count_windows(spec) == counted  # read back
+    assert count_windows(spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir),
+                                  seq_len=129)) == at_128  # the same token sums
+    for changed in (spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), val_fraction=0.3),
+                    spec_for(tiny, "chat", path=str(tiny["chat"]), tokenizer=str(tok_dir))):
+        with pytest.raises(AssertionError, match="tokenized again"):
+            count_windows(changed)
+    (tok_dir / "chat_template.jinja").write_text((tok_dir / "chat_template.jinja").read_text() + "\n")
+    with pytest.raises(AssertionError, match="tokenized again"):
+        count_windows(spec)
+    shutil.copytree(tiny["tokenizer"], tok_dir, dirs_exist_ok=True)
+    with data.open("a") as f:  # one more record: another size and time
+        f.write(data.read_text().splitlines()[0] + "\n")
+    with pytest.raises(AssertionError, match="tokenized again"):
+        count_windows(spec)
+
+    monkeypatch.setattr(jsonl, "_documents", real_documents)
+    grown = count_windows(spec)
+    assert grown != counted and count_windows(spec) == grown
+    for broken in ("{not json", '{"tokens": [1]}', '{"tokens": [1, -2]}'):
+        for entry in (cache / "token-counts").iterdir():
+            entry.write_text(broken)
+        assert count_windows(spec) == grown  # a broken entry: counted again, and rewritten
+    monkeypatch.setenv("RTP_CACHE_DIR", str(data))  # a file, not a folder: cannot be written
+    assert count_windows(spec) == grown
+    monkeypatch.setenv("RTP_CACHE_DIR", "")  # off
+    monkeypatch.setattr(jsonl, "_documents", tokenizes)
+    with pytest.raises(AssertionError, match="tokenized again"):
+        count_windows(spec)
+
+
+def test_a_long_count_reports_its_progress(tiny, capsys):
+    from raytrain_platform.data.jsonl import CountProgress
+
+    progress = CountProgress("data.path", quiet=0.0, every=0.0)
+    for _ in range(3):
+        progress.add(10)
+    progress.done(1, 0)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:3] == [f"data.path: tokenizing to count the windows: {n} document{'s' * (n > 1)}, "
+                         f"{10 * n} tokens so far (0 s)" for n in (1, 2, 3)]
+    assert lines[3].startswith("data.path: tokenized 3 documents, 30 tokens: 1 train and 0 validation")
+    quiet = CountProgress("data.path")  # the first 5 s: nothing
+    quiet.add(10)
+    quiet.done(1, 0)
+    assert capsys.readouterr().err == ""
+
+
 BAD_LINES = [
     ("text", ['{"text": "ok"}', "", "{not json"], 3, "not valid JSON"),
     ("text", ['{"text": "ok"}', '{"txt": "oops"}'], 2, "expected a string field 'text'.*missing"),

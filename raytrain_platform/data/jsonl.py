@@ -37,12 +37,14 @@ token ``t`` is a training target: a trainer that predicts ``tokens[:, 1:]`` from
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -65,6 +67,8 @@ __all__ = [
     "iter_windows",
     "count_file_windows",
     "CountProgress",
+    "CACHE_ENV",
+    "cache_dir",
     "count_windows",
     "text_groups",
     "stream_text_group_windows",
@@ -445,15 +449,99 @@ class CountProgress:
                         f"windows in {time.monotonic() - self.started:.1f}s")
 
 
+# ---------------------------------------------------------------- the count cache
+
+CACHE_ENV = "RTP_CACHE_DIR"
+# Files of a tokenizer folder that can change what it does (a model folder's weights
+# are not read, whatever their size).
+_TOKENIZER_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
+
+
+def cache_dir() -> Path | None:
+    """Where the driver keeps token counts: ``$RTP_CACHE_DIR`` (set empty: no cache),
+    else ``~/.cache/raytrain_platform``."""
+    value = os.environ.get(CACHE_ENV)
+    if value is not None:
+        return Path(value) if value else None
+    try:
+        return Path.home() / ".cache" / "raytrain_platform"
+    except (RuntimeError, KeyError):  # no home directory to be found
+        return None
+
+
+def _tokenizer_fingerprint(path: str) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name.endswith(_TOKENIZER_SUFFIXES) and os.path.isfile(full):
+            with open(full, "rb") as f:
+                digest.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+    return digest.hexdigest()
+
+
+def _file_stamp(path: str) -> list | None:
+    """[path, size, mtime in ns], or None where the filesystem has no modification time."""
+    fs, local = _filesystem(path)
+    info = fs.get_file_info(local)
+    return None if info.mtime_ns is None else [path, info.size, info.mtime_ns]
+
+
+@functools.lru_cache(maxsize=1)
+def _code_fingerprint() -> str:
+    """This module's and sources.py's code: how records become tokens and splits."""
+    from raytrain_platform.data import sources
+
+    return hashlib.sha256(Path(__file__).read_bytes() + Path(sources.__file__).read_bytes()).hexdigest()
+
+
+def _cached_tokens(paths: Iterable[str], spec: JsonlSpec, key: dict, sums: int,
+                   compute: Callable[[], list[int]]) -> list[int]:
+    """`compute()`, `sums` token sums of the files at `paths`, or the sums it gave
+    before for the same files (path, size, modification time), tokenizer files,
+    library versions, code and `key` (the rest of what they depend on). A cache that
+    cannot be read or written is no cache: the sums are computed."""
+    from importlib.metadata import version
+
+    root = cache_dir()
+    stamps = [_file_stamp(p) for p in paths]
+    if root is None or any(s is None for s in stamps) or not os.path.isdir(spec.tokenizer):
+        return compute()
+    key = {**key, "files": stamps, "tokenizer": _tokenizer_fingerprint(spec.tokenizer),
+           "libraries": [version("transformers"), version("tokenizers")], "code": _code_fingerprint()}
+    path = root / "token-counts" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".json")
+    try:
+        tokens = json.loads(path.read_text())["tokens"]
+        if isinstance(tokens, list) and len(tokens) == sums and all(type(t) is int and t >= 0 for t in tokens):
+            return tokens
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    tokens = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "tokens": tokens}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return tokens
+
+
 def count_file_windows(file_index: int, path: str, spec: JsonlSpec,
                        progress: CountProgress | None = None) -> tuple[int, int]:
-    """(train, val) windows of one file; tokenizes it once (a Ray task can run this)."""
-    tokens = [0, 0]
-    for is_val, ids, _ in _documents(file_index, path, spec):
-        tokens[is_val] += len(ids)
-        if progress:
-            progress.add(len(ids))
-    return tokens[0] // spec.seq_len, tokens[1] // spec.seq_len
+    """(train, val) windows of one file: tokenizes it once, or reads the token counts
+    a count of the same file with the same tokenizer cached (`cache_dir`)."""
+    def compute() -> list[int]:
+        tokens = [0, 0]
+        for is_val, ids, _ in _documents(file_index, path, spec):
+            tokens[is_val] += len(ids)
+            if progress:
+                progress.add(len(ids))
+        return tokens
+
+    key = {"file_index": file_index, "format": spec.format, "val_fraction": spec.val_fraction,
+           "fields": [spec.text_field, spec.prompt_field, spec.completion_field, spec.messages_field]}
+    train, val = _cached_tokens([path], spec, key, 2, compute)
+    return train // spec.seq_len, val // spec.seq_len
 
 
 def count_windows(spec: JsonlSpec) -> tuple[int, int]:
@@ -534,11 +622,14 @@ def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[
     train = val = 0
     progress = CountProgress("data.path")
     for g, paths in enumerate(groups):
-        tokens = 0
-        for ids, _ in _group_documents(paths, spec):
-            tokens += len(ids)
-            progress.add(len(ids))
-        n = tokens // spec.seq_len
+        def compute(paths: tuple[str, ...] = paths) -> list[int]:
+            tokens = 0
+            for ids, _ in _group_documents(paths, spec):
+                tokens += len(ids)
+                progress.add(len(ids))
+            return [tokens]
+
+        n = _cached_tokens(paths, spec, {"text_group": True}, 1, compute)[0] // spec.seq_len
         ids = (np.int64(g) << np.int64(32)) | np.arange(n, dtype=np.int64)
         is_val = split_mask(ids, spec.val_fraction, "val")
         train, val = train + int((~is_val).sum()), val + int(is_val.sum())
