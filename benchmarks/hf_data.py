@@ -102,17 +102,18 @@ class LineTimes:
         self._thread.start()
 
     def _poll(self) -> None:
-        t0 = time.perf_counter()
+        t0, offset, partial = time.perf_counter(), 0, b""
         while not self._stop.wait(0.01):
             try:
-                lines = self.path.read_text().splitlines()
+                with self.path.open("rb") as f:
+                    f.seek(offset)
+                    new = f.read()
             except OSError:
                 continue
-            for line in lines[len(self.times):]:
-                try:
-                    self.times.append((time.perf_counter() - t0, json.loads(line)))
-                except ValueError:  # a line being written
-                    break
+            offset += len(new)
+            *lines, partial = (partial + new).split(b"\n")  # the last may be half written
+            now = time.perf_counter() - t0
+            self.times += [(now, json.loads(line)) for line in lines if line.strip()]
 
     def stop(self) -> list[tuple[float, dict]]:
         self._stop.set()
@@ -125,8 +126,10 @@ def eval_figures(times: list[tuple[float, dict]]) -> dict:
     (which also saves a checkpoint): the first evaluation also reads the validation
     batches."""
     gaps = [(b[0] - a[0], b[1]) for a, b in zip(times, times[1:-1])]
-    plain = statistics.median(g for g, row in gaps if "val_loss" not in row)
-    evals = [(row["step"], round(g - plain, 3)) for g, row in gaps if "val_loss" in row]
+    plain = [g for g, row in gaps if "val_loss" not in row]
+    if not plain:
+        return {"eval_extra_s": [], "first_eval_extra_s": None}
+    evals = [(row["step"], round(g - statistics.median(plain), 3)) for g, row in gaps if "val_loss" in row]
     return {"eval_extra_s": evals, "first_eval_extra_s": evals[0][1] if evals else None}
 
 
@@ -204,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSON result (default benchmarks/hf_data.json; with --smoke: none)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rtp-hf-data-") as tmp:
+        # The driver's count cache beside the temporary data: measured without it, and
+        # nothing left in ~/.cache for files that are gone.
+        os.environ["RTP_CACHE_DIR"] = os.path.join(tmp, "cache")
         result = measure(Path(tmp), smoke=args.smoke, records=args.records, epochs=args.epochs,
                          repeat=args.repeat, eval_every=args.eval_every)
     print(table(result))

@@ -309,10 +309,14 @@ def test_counts_are_cached_per_file_tokenizer_and_spec(tiny, tmp_path, monkeypat
     tok_dir = tmp_path / "tok"
     shutil.copytree(tiny["tokenizer"], tok_dir)
     spec = spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir))
-    counted = count_windows(spec)
+    spec_128 = spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), seq_len=129)
+    monkeypatch.setenv("RTP_CACHE_DIR", "")  # the reference counts, without a cache
+    counted, at_128 = count_windows(spec), count_windows(spec_128)
+    assert counted != at_128
+    monkeypatch.setenv("RTP_CACHE_DIR", str(cache))
+    assert count_windows(spec) == counted
     entries = list((cache / "token-counts").iterdir())
     assert len(entries) == 1 and json.loads(entries[0].read_text())["key"]["files"][0][0] == str(data)
-    at_128 = count_windows(spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), seq_len=129))
 
     real_documents = jsonl._documents
 
@@ -321,8 +325,7 @@ def test_counts_are_cached_per_file_tokenizer_and_spec(tiny, tmp_path, monkeypat
 
     monkeypatch.setattr(jsonl, "_documents", tokenizes)
     assert count_windows(spec) == counted  # read back
-    assert count_windows(spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir),
-                                  seq_len=129)) == at_128  # the same token sums
+    assert count_windows(spec_128) == at_128  # the same token sums, divided by another seq_len
     for changed in (spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), val_fraction=0.3),
                     spec_for(tiny, "chat", path=str(tiny["chat"]), tokenizer=str(tok_dir))):
         with pytest.raises(AssertionError, match="tokenized again"):
@@ -349,6 +352,28 @@ def test_counts_are_cached_per_file_tokenizer_and_spec(tiny, tmp_path, monkeypat
     monkeypatch.setattr(jsonl, "_documents", tokenizes)
     with pytest.raises(AssertionError, match="tokenized again"):
         count_windows(spec)
+
+
+def test_text_groups_counts_are_cached(tiny, tmp_path, monkeypatch):
+    from raytrain_platform.data import jsonl
+
+    monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "text"
+    for i in range(3):
+        write(folder / f"{i}.txt", [json.loads(line)["text"] for line in tiny["text"].read_text().splitlines()[i::3]])
+    groups = jsonl.text_groups([(str(p), p.stat().st_size) for p in sorted(folder.iterdir())], group_bytes=1)
+    spec = spec_for(tiny, "text", path=str(folder))
+    counted = jsonl.count_text_windows(groups, spec)
+    assert len(groups) == 3 and len(list((tmp_path / "cache" / "token-counts").iterdir())) == 3
+
+    def tokenizes(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(jsonl, "_group_documents", tokenizes)
+    assert jsonl.count_text_windows(groups, spec) == counted
+    (folder / "1.txt").write_text((folder / "1.txt").read_text() + "more")
+    with pytest.raises(AssertionError, match="tokenized again"):
+        jsonl.count_text_windows(groups, spec)
 
 
 def test_a_long_count_reports_its_progress(tiny, capsys):

@@ -90,6 +90,21 @@ def test_ddp_and_accumulation_match_single_process(ray_cluster, tmp_path):
     assert [w["rank"] for w in attempt["workers"]] == [0, 1] and attempt["world_size"] == 2
 
 
+def test_a_local_shuffle_is_seeded_and_validation_keeps_its_order(ray_cluster, tmp_path):
+    """``data.shuffle_buffer``: the training split is shuffled the same way in every run
+    (seeded by data.shuffle_seed or train.seed, plus the epoch), so two runs train alike;
+    the validation split is never shuffled, so every run and every rank evaluates the
+    same samples (with it shuffled unseeded, each rank dealt from its own random order:
+    runs evaluated different samples, some twice)."""
+    shuffled = dict(data={"shuffle_buffer": 64}, parallel={"strategy": "ddp"}, scaling={"num_workers": 2})
+    runs = [train(mlp_config(tmp_path, name, **shuffled), progress=False) for name in ("shuf_a", "shuf_b")]
+    assert _losses(runs[0]) == _losses(runs[1])
+    val = [[m["val_loss"] for m in r.metrics if "val_loss" in m] for r in runs]
+    assert len(val[0]) == 2 and val[0] == val[1]
+    # Shuffled: not the source order the torchrun reader trains on (it has no shuffle).
+    assert _losses(runs[0]) != run_torchrun(tmp_path / "torchrun", "shuf_a", 2, **shuffled)
+
+
 @pytest.mark.extended  # ~1 min; resuming under Ray stays in the default run in test_failures (a diverged run over good checkpoints)
 def test_same_config_twice_gives_same_losses_and_resumes(ray_cluster, tmp_path):
     """Bit-identical losses from the same config (the Ray run and the torchrun core, in

@@ -42,6 +42,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -452,9 +453,9 @@ class CountProgress:
 # ---------------------------------------------------------------- the count cache
 
 CACHE_ENV = "RTP_CACHE_DIR"
-# Files of a tokenizer folder that can change what it does (a model folder's weights
-# are not read, whatever their size).
-_TOKENIZER_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
+# A tokenizer folder is often the model's: its weights do not change the tokenizer.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack",
+                    ".onnx", ".npz")
 
 
 def cache_dir() -> Path | None:
@@ -470,20 +471,26 @@ def cache_dir() -> Path | None:
 
 
 def _tokenizer_fingerprint(path: str) -> str:
+    """Every file of the tokenizer folder (and its additional_chat_templates/) but weights."""
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if name.endswith(_TOKENIZER_SUFFIXES) and os.path.isfile(full):
-            with open(full, "rb") as f:
-                digest.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+    for folder in (path, os.path.join(path, "additional_chat_templates")):
+        if not os.path.isdir(folder):
+            continue
+        for name in sorted(os.listdir(folder)):
+            full = os.path.join(folder, name)
+            if not name.endswith(_WEIGHT_SUFFIXES) and os.path.isfile(full):
+                with open(full, "rb") as f:
+                    digest.update(full.encode() + b"\0" + hashlib.sha256(f.read()).digest())
     return digest.hexdigest()
 
 
-def _file_stamp(path: str) -> list | None:
-    """[path, size, mtime in ns], or None where the filesystem has no modification time."""
-    fs, local = _filesystem(path)
-    info = fs.get_file_info(local)
-    return None if info.mtime_ns is None else [path, info.size, info.mtime_ns]
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -494,42 +501,73 @@ def _code_fingerprint() -> str:
     return hashlib.sha256(Path(__file__).read_bytes() + Path(sources.__file__).read_bytes()).hexdigest()
 
 
-def _cached_tokens(paths: Iterable[str], spec: JsonlSpec, key: dict, sums: int,
-                   compute: Callable[[], list[int]]) -> list[int]:
-    """`compute()`, `sums` token sums of the files at `paths`, or the sums it gave
-    before for the same files (path, size, modification time), tokenizer files,
-    library versions, code and `key` (the rest of what they depend on). A cache that
-    cannot be read or written is no cache: the sums are computed."""
-    from importlib.metadata import version
+@dataclass(frozen=True)
+class _CountCache:
+    """Token sums of files, kept under `folder` by a key of the files' identity and
+    everything their tokens depend on: `shared` (the tokenizer's files, the library
+    versions, this code) and each count's own part (the spec's fields)."""
 
-    root = cache_dir()
-    stamps = [_file_stamp(p) for p in paths]
-    if root is None or any(s is None for s in stamps) or not os.path.isdir(spec.tokenizer):
-        return compute()
-    key = {**key, "files": stamps, "tokenizer": _tokenizer_fingerprint(spec.tokenizer),
-           "libraries": [version("transformers"), version("tokenizers")], "code": _code_fingerprint()}
-    path = root / "token-counts" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".json")
-    try:
-        tokens = json.loads(path.read_text())["tokens"]
-        if isinstance(tokens, list) and len(tokens) == sums and all(type(t) is int and t >= 0 for t in tokens):
-            return tokens
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    tokens = compute()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "tokens": tokens}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return tokens
+    folder: Path
+    shared: dict
+
+    @classmethod
+    def open(cls, spec: JsonlSpec) -> "_CountCache | None":
+        """None when there is no cache: none configured, or its key cannot be read."""
+        root = cache_dir()
+        if root is None or not os.path.isdir(spec.tokenizer):
+            return None
+        try:
+            shared = {"tokenizer": _tokenizer_fingerprint(spec.tokenizer), "code": _code_fingerprint(),
+                      "libraries": [_version(p) for p in ("transformers", "tokenizers", "jinja2")]}
+        except OSError:  # an unreadable file beside the tokenizer's, code without sources
+            return None
+        return cls(root / "token-counts", shared)
+
+    @staticmethod
+    def _stamp(path: str) -> list | None:
+        """What identifies the file's content: path, size, modification and change times
+        and inode where the file is local (a change time cannot be set back), modification
+        time for a URI; None when the filesystem gives no time."""
+        try:
+            if "://" not in path:
+                st = os.stat(path)
+                return [path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+            fs, local = _filesystem(path)
+            info = fs.get_file_info(local)
+        except (OSError, DataError):  # the count itself then says what is wrong
+            return None
+        return None if info.mtime_ns is None else [path, info.size, info.mtime_ns]
+
+    def tokens(self, paths: Iterable[str], key: dict, sums: int,
+               compute: Callable[[], list[int]]) -> list[int]:
+        """`compute()`, `sums` token sums of the files at `paths`, or the sums it gave
+        before for the same key. A cache that cannot be read or written is no cache."""
+        stamps = [self._stamp(p) for p in paths]
+        if any(stamp is None for stamp in stamps):
+            return compute()
+        key = {**self.shared, **key, "files": stamps}
+        path = self.folder / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".json")
+        try:
+            tokens = json.loads(path.read_text())["tokens"]
+            if isinstance(tokens, list) and len(tokens) == sums and all(type(t) is int and t >= 0 for t in tokens):
+                return tokens
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        tokens = compute()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
+            tmp.write_text(json.dumps({"key": key, "tokens": tokens}))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        return tokens
 
 
-def count_file_windows(file_index: int, path: str, spec: JsonlSpec,
-                       progress: CountProgress | None = None) -> tuple[int, int]:
-    """(train, val) windows of one file: tokenizes it once, or reads the token counts
-    a count of the same file with the same tokenizer cached (`cache_dir`)."""
+def count_file_windows(file_index: int, path: str, spec: JsonlSpec, progress: CountProgress | None = None,
+                       cache: _CountCache | None = None) -> tuple[int, int]:
+    """(train, val) windows of one file: tokenizes it once, or reads back the token sums
+    `cache` holds for it."""
     def compute() -> list[int]:
         tokens = [0, 0]
         for is_val, ids, _ in _documents(file_index, path, spec):
@@ -540,7 +578,7 @@ def count_file_windows(file_index: int, path: str, spec: JsonlSpec,
 
     key = {"file_index": file_index, "format": spec.format, "val_fraction": spec.val_fraction,
            "fields": [spec.text_field, spec.prompt_field, spec.completion_field, spec.messages_field]}
-    train, val = _cached_tokens([path], spec, key, 2, compute)
+    train, val = cache.tokens([path], key, 2, compute) if cache else compute()
     return train // spec.seq_len, val // spec.seq_len
 
 
@@ -548,9 +586,9 @@ def count_windows(spec: JsonlSpec) -> tuple[int, int]:
     """(train, val) windows over all files; DataError when there is no training window.
     A pass of more than a few seconds reports its progress on stderr."""
     train = val = 0
-    progress = CountProgress("data.path")
+    progress, cache = CountProgress("data.path"), _CountCache.open(spec)
     for file_index, path in enumerate(jsonl_files(spec)):
-        t, v = count_file_windows(file_index, path, spec, progress)
+        t, v = count_file_windows(file_index, path, spec, progress, cache)
         train, val = train + t, val + v
     if train == 0:
         raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = "
@@ -620,7 +658,7 @@ def text_group_windows(group_index: int, paths: tuple[str, ...], spec: JsonlSpec
 def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[int, int]:
     """(train, val) windows over all groups; DataError when there is no training window."""
     train = val = 0
-    progress = CountProgress("data.path")
+    progress, cache = CountProgress("data.path"), _CountCache.open(spec)
     for g, paths in enumerate(groups):
         def compute(paths: tuple[str, ...] = paths) -> list[int]:
             tokens = 0
@@ -629,7 +667,7 @@ def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[
                 progress.add(len(ids))
             return [tokens]
 
-        n = _cached_tokens(paths, spec, {"text_group": True}, 1, compute)[0] // spec.seq_len
+        n = (cache.tokens(paths, {"text_group": True}, 1, compute) if cache else compute())[0] // spec.seq_len
         ids = (np.int64(g) << np.int64(32)) | np.arange(n, dtype=np.int64)
         is_val = split_mask(ids, spec.val_fraction, "val")
         train, val = train + int((~is_val).sum()), val + int(is_val.sum())

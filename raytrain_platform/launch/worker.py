@@ -52,14 +52,17 @@ class RayBatches:
         self.val_it = ray.train.get_dataset_shard("val") if job.data.num_val else None
 
     def _iter(self, it, *, shuffle_seed: int | None):
+        """Micro-batches of `it`; shuffled locally with `data.shuffle_buffer` and
+        `shuffle_seed`, in source order when that is None."""
         # numpy batches wrapped zero-copy here, not iter_torch_batches: its per-batch
         # Arrow -> tensor collate runs in Python threads that hold the GIL against the
         # training step (benchmarks/train_vs_loop.py measures the difference).
         d = self.cfg.data
+        shuffle = d.shuffle_buffer if shuffle_seed is not None else 0
         batches = it.iter_batches(
             batch_size=d.micro_batch, batch_format="numpy", drop_last=True,
-            prefetch_batches=d.prefetch_batches, local_shuffle_buffer_size=d.shuffle_buffer or None,
-            local_shuffle_seed=shuffle_seed if d.shuffle_buffer else None)
+            prefetch_batches=d.prefetch_batches, local_shuffle_buffer_size=shuffle or None,
+            local_shuffle_seed=shuffle_seed if shuffle else None)
         return map(_as_tensors, batches)
 
     def train_epoch(self, epoch: int):
@@ -75,6 +78,8 @@ class RayBatches:
         # The same count on every rank (whole rounds only): under FSDP every forward is a
         # collective, and a rank with one batch more would wait for the others forever.
         # Ranks of one TP/PP group evaluate the same batches (their forwards are collective).
+        # Never shuffled: each rank deals from the same order, so the ranks' batches are
+        # disjoint and every evaluation sees the same samples.
         return list(deal(self._iter(self.val_it, shuffle_seed=None), rank=self.data_rank,
                          world=self.data_world, rounds=min(n, val_rounds(self.job))))
 
