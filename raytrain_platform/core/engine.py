@@ -308,7 +308,7 @@ class Engine:
                     if val_cache is None:
                         val_cache = source.val_batches(cfg.run.eval_batches)
                     metrics.update(self.evaluate(val_cache))
-                    # the first evaluation's also reads the validation batches
+                    # the first evaluation also reads the validation batches
                     metrics["eval_s"] = time.perf_counter() - t_eval
                 self._publish(metrics, reporter, log, checkpoint=self._due(cfg.run.checkpoint_every, last))
                 last_metrics = metrics

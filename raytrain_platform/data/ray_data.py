@@ -163,7 +163,7 @@ def parquet_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
 
 
 def _eval_dataset(spec: SourceSpec, cfg: "JobConfig", info: DataInfo) -> "ray.data.Dataset":
-    """A tokenized validation split as evaluation reads it, once per run: its first
+    """A tokenized validation split as evaluation reads it, once per attempt: its first
     `run.eval_batches` micro-batches per data-parallel rank, tokenized here on the
     driver into one in-memory block. That covers any worker count an elastic run gets
     (at most `scaling.num_workers`). Not a read task: the train split's task keeps its
