@@ -376,6 +376,19 @@ def test_text_groups_counts_are_cached(tiny, tmp_path, monkeypatch):
         jsonl.count_text_windows(groups, spec)
 
 
+def test_a_tokenizer_changed_in_place_is_loaded_again(tiny, tmp_path):
+    """A long-lived process (a notebook) that edits the chat template and counts again
+    counts with the new template (and caches the counts under the new files' key)."""
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tiny["tokenizer"], tok_dir)
+    before = load_tokenizer(str(tok_dir), need_chat_template=True)
+    assert load_tokenizer(str(tok_dir), need_chat_template=True) is before  # loaded once
+    template = tok_dir / "chat_template.jinja"
+    template.write_text("{{ bos_token }}" + template.read_text())
+    after = load_tokenizer(str(tok_dir), need_chat_template=True)
+    assert after is not before and after.chat_template.startswith("{{ bos_token }}")
+
+
 def test_a_long_count_reports_its_progress(tiny, capsys):
     from raytrain_platform.data.jsonl import CountProgress
 

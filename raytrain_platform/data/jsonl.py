@@ -173,8 +173,19 @@ def _read_records(path: str, spec: JsonlSpec) -> Iterator[tuple[int, dict]]:
 # ---------------------------------------------------------------- tokenizer
 
 
+def _folder_state(path: str) -> tuple:
+    """(name, size, modification time) of each file in the folder: what a tokenizer
+    loaded from it was loaded from (empty where it cannot be listed)."""
+    try:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
+                            for e in os.scandir(path) if e.is_file()))
+    except OSError:
+        return ()
+
+
 @functools.lru_cache(maxsize=8)
-def _load_tokenizer(path: str) -> Any:
+def _load_tokenizer(path: str, state: tuple = ()) -> Any:
+    """`state` (`_folder_state`) keys the cache: files changed in place load again."""
     from transformers import AutoTokenizer
 
     allowed = "a local folder with tokenizer files (tokenizer.json or tokenizer_config.json)"
@@ -193,9 +204,9 @@ def _load_tokenizer(path: str) -> Any:
 
 
 def load_tokenizer(path: str, *, need_chat_template: bool) -> Any:
-    """The Hugging Face tokenizer in local folder `path`, loaded once per process;
-    never downloads, never runs code from the folder."""
-    tok = _load_tokenizer(path)
+    """The Hugging Face tokenizer in local folder `path`, loaded once per process and
+    again if its files change; never downloads, never runs code from the folder."""
+    tok = _load_tokenizer(path, _folder_state(path))
     if need_chat_template and not getattr(tok, "chat_template", None):
         raise ConfigError("data.tokenizer", path, "a tokenizer with a chat_template for data.format chat")
     return tok
