@@ -112,14 +112,18 @@ def test_vs_accelerate_smoke(tmp_path):
 @pytest.mark.extended  # one 2-worker Ray Train run over 2 epochs, tiny: ~40 s
 def test_hf_data_smoke(tmp_path):
     """Tokenized chat JSONL through Ray Data into 2 DDP workers over 2 epochs: the data
-    wait is read per step, over the whole run and at the second epoch's first step."""
-    out = _run(["benchmarks/hf_data.py", "--smoke", "--out", str(tmp_path / "d.json")])
+    wait is read per step, over the whole run and at the second epoch's first step, and
+    each evaluation (every 5 steps) is timed from outside."""
+    out = _run(["benchmarks/hf_data.py", "--smoke", "--eval-every", "5", "--out", str(tmp_path / "d.json")])
     assert "| data_wait_frac_overall |" in out
     result = json.loads((tmp_path / "d.json").read_text())
     assert result["epochs"] == 2 and result["steps"] == 2 * result["steps_per_epoch"], result
     assert len(result["epoch_first_step_wait_s"]) == 1, result
     assert 0 <= result["data_wait_frac_median"] <= result["data_wait_frac_max"] <= 1, result
     assert 0 <= result["data_wait_frac_overall"] <= 1, result
+    evals = result["eval_extra_s"]  # every 5th step but the last (it also checkpoints)
+    assert [step for step, _ in evals] == list(range(5, result["steps"], 5)), result
+    assert result["first_eval_extra_s"] == evals[0][1], result
 
 
 @pytest.mark.extended  # two Ray Train runs and one torchrun run, tiny: ~1 min
