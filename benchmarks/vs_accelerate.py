@@ -87,8 +87,8 @@ def make_llm(folder: Path, size: dict) -> Path:
     from raytrain_platform.tools.tiny_llm import make_all
 
     if not (folder / "model" / "config.json").exists() or not (folder / "data" / "chat.jsonl").exists():
-        make_all(folder, samples=size["samples"], num_layers=size["layers"], hidden_size=size["hidden"],
-                 num_heads=4, num_kv_heads=2, intermediate_size=2 * size["hidden"])
+        make_all(folder, samples=size["samples"], vocab_size=size["vocab"], num_layers=size["layers"],
+                 hidden_size=size["hidden"], num_heads=4, num_kv_heads=2, intermediate_size=2 * size["hidden"])
     return folder
 
 
@@ -259,10 +259,13 @@ def summarize(runs: dict[str, list[dict]], processes: list[int], size: dict) -> 
 
 
 def measure(work: Path, *, smoke: bool, repeats: int | None = None, processes: list[int] | None = None,
-            llm_dir: Path | None = None, on_repeat: Callable[[dict], None] = lambda result: None) -> dict:
+            llm_dir: Path | None = None, on_repeat: Callable[[dict], None] = lambda result: None,
+            vocab: int = 512, samples: int | None = None) -> dict:
     """Every side at every process count, `repeats` times; `on_repeat(result so far)`
-    after each repeat (a long run on a shared machine keeps what it measured)."""
-    size = SIZES["smoke" if smoke else "full"]
+    after each repeat (a long run on a shared machine keeps what it measured). `vocab`:
+    the tokenizer's vocabulary (the model's embeddings and head follow it)."""
+    size = {**SIZES["smoke" if smoke else "full"], "vocab": vocab}
+    size["samples"] = samples or size["samples"]
     repeats = repeats or size["repeats"]
     processes = processes or size["processes"]
     os.environ.update(OFFLINE_ENV)
@@ -273,12 +276,14 @@ def measure(work: Path, *, smoke: bool, repeats: int | None = None, processes: l
         sides[f"torchrun_{n}p"] = lambda tag, n=n: torchrun_run(llm, n, size, work / "runs", f"core_{n}p_{tag}")
         sides[f"accelerate_{n}p"] = lambda tag, n=n: accelerate_run(llm, n, size, work / "accelerate",
                                                                     f"acc_{n}p_{tag}")
+    model_vocab = json.loads((llm / "model" / "config.json").read_text())["vocab_size"]
     runs = rotated(sides, repeats, size["settle_s"],
-                   lambda runs, done: on_repeat(_result(runs, processes, size, done, repeats)))
-    return _result(runs, processes, size, repeats, repeats)
+                   lambda runs, done: on_repeat(_result(runs, processes, size, done, repeats, model_vocab)))
+    return _result(runs, processes, size, repeats, repeats, model_vocab)
 
 
-def _result(runs: dict[str, list[dict]], processes: list[int], size: dict, done: int, repeats: int) -> dict:
+def _result(runs: dict[str, list[dict]], processes: list[int], size: dict, done: int, repeats: int,
+            model_vocab: int) -> dict:
     import accelerate
     import ray
     import torch
@@ -289,7 +294,7 @@ def _result(runs: dict[str, list[dict]], processes: list[int], size: dict, done:
             "load_avg_1m_runs": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
             **{k: size[k] for k in ("steps", "seq_len", "batch")},
             "model": f"tiny_llm llama, {size['layers']} layers x d {size['hidden']}, 4 heads / 2 KV heads, "
-                     f"MLP {2 * size['hidden']}, vocab 512, fp32",
+                     f"MLP {2 * size['hidden']}, vocab {model_vocab:,} (a {size['vocab']}-token BPE), fp32",
             "job": f"chat JSONL ({size['samples']} samples) packed into {size['seq_len']}+1-token windows, "
                    f"micro-batch {size['batch']} per process, AdamW lr {LR} constant, wd {WEIGHT_DECAY}, "
                    "grad clip 1.0, 1 torch thread per process; DDP on gloo at 2",
@@ -319,11 +324,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="the JSON result (default benchmarks/vs_accelerate.json; "
                                             "with --smoke, none)")
     p.add_argument("--llm-dir", type=Path, help="reuse (or keep) the tiny model and data here")
+    p.add_argument("--vocab", type=int, default=512,
+                   help="the tokenizer's vocabulary, and so the model's (default 512; 8192 is vocabulary / hidden = "
+                        "32, as Llama 3 8B's); the default --out gains .vocabN")
+    p.add_argument("--samples", type=int, help="chat records (default 2000; a larger vocabulary packs them into "
+                                               "fewer windows: 5556, the most the standard library gives, for 8192)")
     args = p.parse_args(argv)
+    if args.vocab < 300 or (args.samples is not None and args.samples < 1):
+        p.error("--vocab: at least 300 (the byte alphabet and the special tokens); --samples: at least 1")
     processes = [int(x) for x in args.processes.split(",") if x.strip()] if args.processes else None
     if processes is not None and (not processes or any(n < 1 for n in processes)):
         p.error(f"--processes: positive integers, got {args.processes!r}")
-    out = args.out or (None if args.smoke else BENCH / "vs_accelerate.json")
+    suffix = "" if args.vocab == 512 else f".vocab{args.vocab}"
+    out = args.out or (None if args.smoke else BENCH / f"vs_accelerate{suffix}.json")
     t0 = time.perf_counter()
     command = " ".join(["python benchmarks/vs_accelerate.py", *(sys.argv[1:] if argv is None else argv)])
 
@@ -335,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="rtp-vs-accelerate-") as tmp:
         result = measure(Path(tmp), smoke=args.smoke, repeats=args.repeats, processes=processes,
-                         llm_dir=args.llm_dir, on_repeat=save)
+                         llm_dir=args.llm_dir, on_repeat=save, vocab=args.vocab, samples=args.samples)
     save(result)
     print(table(result))
     load = result["load_avg_1m_runs"]

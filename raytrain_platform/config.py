@@ -224,8 +224,12 @@ class TrainConfig:
     # stops after max_nonfinite_skips skipped steps in a row.
     on_nonfinite: str = "stop"
     max_nonfinite_skips: int = 10
+    # Language models with a loss mask (instruction data): counted runs the output head and
+    # the loss on the tokens the loss counts only (core/counted.py); all on every position.
+    logits: str = "counted"
 
     _ON_NONFINITE: ClassVar[tuple[str, ...]] = ("stop", "skip_step")
+    _LOGITS: ClassVar[tuple[str, ...]] = ("counted", "all")
 
     def __post_init__(self) -> None:
         _check(self.max_steps is not None or self.epochs is not None, "train.max_steps",
@@ -242,6 +246,7 @@ class TrainConfig:
         _check(0 <= self.seed < SEED_LIMIT, "train.seed", self.seed, SEED_ALLOWED)
         _check(self.optimizer in ("adamw", "sgd"), "train.optimizer", self.optimizer,
                "one of ['adamw', 'sgd']")
+        _check(self.logits in self._LOGITS, "train.logits", self.logits, f"one of {list(self._LOGITS)}")
         _check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "a number >= 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas",
                self.betas, "two numbers in [0, 1)")
@@ -586,7 +591,11 @@ def _validate_parallel_dims(cfg: JobConfig) -> None:
            "1 with model.lora (LoRA adapters have no tensor-parallel or pipeline plan: use fsdp or ddp)")
     dp = n // (tp * pp)
     stages = pp * PP_SCHEDULES[par.pp_schedule]
-    get_family(cfg.model.name).check_model_parallel(cfg.model.kwargs, tp=tp, pp=pp, stages=stages, pp_split=par.pp_split)
+    family = get_family(cfg.model.name)
+    _check(not par.sequence_parallel or family.sequence_parallel, "parallel.sequence_parallel", True,
+           f"false for model '{cfg.model.name}' (its forward computes positions from the sequence shard it "
+           "holds; TP without sequence parallelism works)")
+    family.check_model_parallel(cfg.model.kwargs, tp=tp, pp=pp, stages=stages, pp_split=par.pp_split)
     _check(tp == 1 or pp == 1, "parallel.pp_size", pp,
            f"1 when parallel.tp_size is {tp} (TP x PP in one job is not supported; use one of them)")
     _check(par.strategy != "ddp" or tp == 1 or dp == 1, "parallel.strategy", par.strategy,

@@ -92,6 +92,18 @@ def test_gpu_train_hf_smoke(tmp_path):
     assert run["flops_params"] == run["n_params"] - run["vocab_size"] * run["hidden_size"], run
 
 
+def test_counted_logits_smoke(tmp_path):
+    """The LM-head-on-counted-tokens benchmark (one process, no Ray, seconds): both modes
+    timed; on the same batch and weights the same loss, and fewer bytes saved for backward."""
+    out = _run(["benchmarks/counted_logits.py", "--smoke", "--out", str(tmp_path / "counted.json")])
+    assert "| vocabulary (model) | counted share |" in out
+    got, = json.loads((tmp_path / "counted.json").read_text())["vocabs"]
+    assert 0 < got["counted_share"] < 1 and got["steps_per_mode"] == 2, got
+    assert all(v > 0 for v in got["step_s"].values()), got
+    assert got["loss_sum"]["counted"] == pytest.approx(got["loss_sum"]["all"], rel=1e-5), got
+    assert got["saved_bytes"]["counted"] < got["saved_bytes"]["all"], got
+
+
 @pytest.mark.extended  # a benchmark's whole pipeline (Ray, torchrun and accelerate launch): ~1.5 min
 def test_vs_accelerate_smoke(tmp_path):
     """The fine-tune through the platform (Ray Train; the torchrun core) and as a plain

@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, LayoutRuns, assert_losses_close, hf_config, torchrun_metrics
+from conftest import LM_TRAIN, ROOT, LayoutRuns, assert_losses_close, free_port, hf_config, torchrun_metrics
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(600)
@@ -109,6 +109,10 @@ def test_bad_model_directories_are_one_line_exit_2_before_ray(tmp_path, tiny):
          "parallel.tp_size", "num_key_value_heads (2)"),
         ({"path": str(tiny["model"])}, {"parallel": {"pp_size": 2}, "scaling": {"num_workers": 2}},
          "parallel.pp_size", "no pipeline split for Hugging Face models"),
+        ({"path": str(tiny["model"])}, {"parallel": {"tp_size": 2, "sequence_parallel": True},
+                                        "scaling": {"num_workers": 2}},
+         "parallel.sequence_parallel", "false for model 'hf'"),
+        ({"path": str(tiny["model"])}, {"train": {"logits": "some"}}, "train.logits", "one of ['counted', 'all']"),
     ]
     for kwargs, sections, field, needle in cases:
         cfg = hf_config(tmp_path, "bad", tiny["model"], **sections)
@@ -237,6 +241,107 @@ def test_sharded_checkpoint_resumes_at_another_world_size(runs, tiny):
     rows = torchrun_metrics(cfg, root / "resumed.yaml", 1, timeout=300)
     resumed = [r["loss"] for r in rows if r["step"] > 5]
     assert_losses_close(resumed, [r["loss"] for r in runs["fsdp2"] if r["step"] > 5], rtol=RTOL)
+
+
+# ---------------------------------------------------------------- the LM head on counted tokens
+# train.logits: counted (the default) runs the output head and the loss on the tokens the
+# loss mask counts only (core/counted.py). Instruction data: the tiny model's chat JSONL.
+
+
+def chat_config(root: Path, name: str, tiny: dict, **sections) -> dict:
+    cfg = hf_config(root, name, tiny["model"], **sections)
+    cfg["data"] = {**cfg["data"], "source": "jsonl", "path": str(tiny["chat"]), "format": "chat"}
+    cfg["data"].pop("num_samples", None)
+    return cfg
+
+
+CHAT_LAYOUTS = {
+    "one_all": (1, {"train": {**LM_TRAIN, "logits": "all"}}),
+    "ddp2": LAYOUTS["ddp2"], "fsdp2": LAYOUTS["fsdp2"], "tp2": LAYOUTS["tp2"],
+}
+
+
+@pytest.fixture(scope="module")
+def chat_runs(tmp_path_factory, tiny) -> LayoutRuns:
+    return LayoutRuns(tmp_path_factory.mktemp("hf_chat_runs"), CHAT_LAYOUTS,
+                      lambda root, name, **sections: chat_config(root, name, tiny, **sections))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["one", "ddp2", "fsdp2", "tp2", "fsdp2_lora"])
+def test_the_head_runs_on_counted_tokens_with_the_same_loss_and_gradients(tmp_path, tiny, layout):
+    """One micro-step on chat data, counted then every position, same weights and batch
+    (tests/counted_check.py under torchrun): the head ran on exactly the counted tokens of
+    each rank's batch, and the loss and every gradient are the same (LoRA: the adapters')."""
+    lora = layout.endswith("_lora")
+    nproc, sections = (1, {}) if layout == "one" else LAYOUTS[layout.removesuffix("_lora")]
+    cfg = chat_config(tmp_path, layout, tiny, **sections)
+    if lora:
+        cfg["model"]["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    path = tmp_path / f"{layout}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           str(ROOT / "tests" / "counted_check.py"), str(path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    batch = cfg["data"]["batch_size"]
+    assert len(out["ranks"]) == nproc
+    for rank in out["ranks"]:
+        assert 0 < rank["counted"] < rank["positions"], rank  # prompts are left out
+        assert rank["head_rows"] == [rank["counted"], batch], rank  # counted rows; then (B, T, vocab)
+    assert out["loss_counted"] == pytest.approx(out["loss_all"], rel=1e-6)
+    assert out["max_grad_rel_diff"] <= 1e-6, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(CHAT_LAYOUTS))
+def test_counted_logits_train_as_every_position_on_every_layout(chat_runs, layout):
+    """10 steps on chat data: every layout with the head on counted tokens matches one
+    process with it (rtol as above), and so does one process with every position."""
+    one = _losses(chat_runs["one"])
+    assert len(one) == 10 and one[-1] < one[0] - 0.3, one  # it learns (6.25 -> 5.78 measured)
+    assert_losses_close(_losses(chat_runs[layout]), one, rtol=RTOL)
+
+
+def test_counted_positions_with_no_counted_token_and_a_reshaping_forward(tiny):
+    """A micro-batch whose targets are all prompt: the head runs on no row, the loss is
+    0 and backward gives zero gradients. A forward that reshapes the head's output is
+    one line naming train.logits, not a wrong loss."""
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_platform.core.counted import counted_positions
+    from raytrain_platform.errors import ConfigError
+    from raytrain_platform.models import get_family
+    from raytrain_platform.models.tasks import IGNORE_INDEX, get_task
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny["model"]), local_files_only=True)
+    head, task = get_family("hf").output_head(model), get_task("lm")
+    assert head is model.lm_head
+    ids = torch.randint(0, 100, (2, 8))
+    none_counted = torch.full((2, 8), IGNORE_INDEX)
+    with counted_positions(head, none_counted) as kept:
+        out = model(input_ids=ids)
+        loss = task.loss_sum(out, kept.targets(out.logits))
+    assert tuple(out.logits.shape) == (0, model.config.vocab_size) and float(loss) == 0.0
+    loss.backward()
+    assert all(float(p.grad.abs().max()) == 0.0 for p in model.parameters() if p.grad is not None)
+
+    class Reshaping(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(4, 6)
+
+        def forward(self, x):
+            return self.lm_head(x).reshape(x.shape[0], x.shape[1], -1)
+
+    m, targets = Reshaping(), torch.tensor([[IGNORE_INDEX, 1, 2]])
+    with counted_positions(m.lm_head, targets) as kept:
+        logits = m(torch.randn(1, 3, 4))
+    with pytest.raises(ConfigError, match=r"train.logits = 'counted': expected all for this model"):
+        kept.targets(logits)
 
 
 def test_the_finetune_example_validates_on_the_offline_model(tmp_path):

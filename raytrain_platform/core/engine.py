@@ -24,6 +24,7 @@ import torch
 
 from raytrain_platform.core.adapters import base_identity, param_counts, reset_adapters
 from raytrain_platform.core.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from raytrain_platform.core.counted import counted_positions
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
 from raytrain_platform.core.nonfinite import NonFiniteGuard
 from raytrain_platform.core.optim import build_optimizer, lr_at
@@ -96,6 +97,9 @@ class Engine:
         self.nonfinite = NonFiniteGuard(policy=t.on_nonfinite, max_skips=t.max_nonfinite_skips,
                                         run_dir=run_dir or self.cfg.run.run_dir)
         self.step_skipped = False  # the last optimizer step was skipped (train.on_nonfinite)
+        # train.logits counted: the output head runs on the counted tokens only (core/counted.py)
+        counted = (self.task.name == "lm" and t.logits == "counted" and self.wrapped.pipeline is None)
+        self.head = self.family.output_head(self.wrapped.base) if counted else None
 
     def _parallelize(self, model: torch.nn.Module) -> Parallelized:
         m = self.cfg.model
@@ -185,6 +189,11 @@ class Engine:
         total = float(all_reduce_sum(torch.tensor(float(local), device=self.env.device))) / copies
         return self.data_world / max(total, 1.0)
 
+    def _head_for(self, batch: Batch) -> torch.nn.Module | None:
+        """The output head to run on counted tokens only: with a loss mask (without one,
+        every token counts)."""
+        return self.head if "loss_mask" in batch else None
+
     def micro_step(self, batch: Batch, *, sync: bool, scale: float | None = None) -> torch.Tensor:
         """Forward and backward of one micro-batch; its loss times `scale` (default: the
         mean over this micro-batch alone, for a step of one micro-batch)."""
@@ -195,8 +204,9 @@ class Engine:
                 return self.wrapped.pipeline.train(
                     inputs, targets, lambda out, tgt: self.task.loss_sum(out, tgt) * scale, sync=sync)
         with contextlib.nullcontext() if sync else self.wrapped.no_sync():
-            with self.autocast:
-                loss = self.task.loss_sum(self.wrapped.module(inputs), targets) * scale
+            with self.autocast, counted_positions(self._head_for(batch), targets) as kept:
+                outputs = self.wrapped.module(inputs)
+                loss = self.task.loss_sum(outputs, kept.targets(self.task.logits(outputs))) * scale
             loss.backward()
         return loss.detach()
 
@@ -244,7 +254,9 @@ class Engine:
                 if self.wrapped.pipeline is not None:  # sums on the last stage, zeros before it
                     sums += self.wrapped.pipeline.evaluate(inputs, targets, self.task.eval_sums).cpu()
                     continue
-                outputs = self.wrapped.module(inputs)
+                with counted_positions(self._head_for(batch), targets) as kept:
+                    outputs = self.wrapped.module(inputs)
+                targets = kept.targets(self.task.logits(outputs))
             sums += self.task.eval_sums(outputs, targets).cpu()
         self.wrapped.module.train()
         return self.task.eval_metrics(all_reduce_sum(sums.to(self.env.device)).cpu())

@@ -84,6 +84,9 @@ class GPTFamily(ModelFamily):
             return super().blocks(model, block_class=block_class)
         return [(f"blocks.{name}", block) for name, block in model.blocks.named_children()]  # type: ignore[union-attr]
 
+    def output_head(self, model: "nn.Module") -> "nn.Module | None":
+        return model.lm_head  # type: ignore[return-value]  # None on a pipeline stage without it
+
     def num_blocks(self, kwargs: dict) -> int:
         return kwargs["n_layer"]
 

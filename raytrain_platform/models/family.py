@@ -89,6 +89,8 @@ class ModelFamily:
     description: str = ""
     # Whether its modules have repeated blocks to shard and checkpoint (mlp: none).
     has_blocks: bool = True
+    # Whether its TP plan runs with parallel.sequence_parallel (sequence-sharded norms).
+    sequence_parallel: bool = True
 
     # ---- config: kwargs, task, sequence length ------------------------------------
     def resolve_kwargs(self, kwargs: Any) -> dict:
@@ -182,6 +184,13 @@ class ModelFamily:
     def logits(self, output: Any) -> "torch.Tensor":
         """The logits of a forward's output (a tensor, or an output with ``.logits``)."""
         return logits_of(output, self.name)
+
+    def output_head(self, model: "nn.Module") -> "nn.Module | None":
+        """The module that turns the final hidden states ``(B, T, hidden)`` into the
+        logits, when the model's forward returns its result as it is (any
+        post-processing elementwise): ``train.logits: counted`` runs it on the counted
+        tokens only (`core/counted.py`). None (the default): every position."""
+        return None
 
     # ---- parallel plans ----------------------------------------------------------------
     def tp_plan(self, model: "nn.Module", kwargs: dict) -> dict[str, str]:

@@ -116,6 +116,9 @@ def weight_files(path: str) -> list[str]:
 class HFFamily(ModelFamily):
     name = "hf"
     description = "a Hugging Face causal LM from a local directory (AutoModelForCausalLM)"
+    # transformers' forward builds its rotary positions (and masks) from the length of
+    # the tensor it holds, a sequence shard under sequence parallelism: refused, not wrong.
+    sequence_parallel = False
 
     def resolve_kwargs(self, kwargs: Any) -> dict:
         if not isinstance(kwargs, dict):
@@ -227,6 +230,11 @@ class HFFamily(ModelFamily):
         from raytrain_platform.models.family import find_blocks
 
         return find_blocks(model, block_class=block_class)  # the decoder layers (model.layers)
+
+    def output_head(self, model: "nn.Module") -> "nn.Module | None":
+        # transformers' causal LMs: logits = lm_head(hidden), then at most a scale or a
+        # softcap (elementwise); counted.Selection refuses a forward that reshapes them.
+        return model.get_output_embeddings()  # type: ignore[operator]
 
     # ---- parallel plans ------------------------------------------------------------------------
     def check_model_parallel(self, kwargs: dict, *, tp: int, pp: int, stages: int,
