@@ -2,7 +2,7 @@
 position (``all``, what Hugging Face's loss and a plain Accelerate loop do): step time and
 the bytes autograd saves, side by side in one process.
 
-    python benchmarks/counted_logits.py            # ~4 min on 2 quiet CPU cores
+    python benchmarks/counted_logits.py            # ~1 min on 2 quiet CPU cores
     python benchmarks/counted_logits.py --smoke    # tiny, writes nothing (a test)
 
 The job is `vs_accelerate.py`'s fine-tune: a Llama-style model from `tools/tiny_llm.py`

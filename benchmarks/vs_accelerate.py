@@ -4,6 +4,7 @@
     pip install -e '.[bench]'                            # accelerate
     python benchmarks/vs_accelerate.py                   # ~15 min on 2 quiet CPU cores
     python benchmarks/vs_accelerate.py --smoke           # tiny, 2 processes, 1 repeat, writes nothing (a test)
+    python benchmarks/vs_accelerate.py --vocab 8192 --samples 5556   # vocabulary / hidden 32 (Llama 3 8B's)
 
 The job: a Llama-style model from `raytrain_platform.tools.tiny_llm` (4 layers, d 256,
 4 heads / 2 KV heads, MLP 512, its 512-token BPE; ~2.6M parameters, written as
@@ -70,12 +71,14 @@ SIZES = {
     # wall time (`wall_s`). 40 steps and 3 repeats: this VM's speed drifts by up to 2x
     # over seconds (a 1-thread matmul loop, nothing else running), so short runs and few
     # repeats measure the drift.
-    "full": {"hidden": 256, "layers": 4, "samples": 2000, "seq_len": 256, "batch": 8, "steps": 40, "warmup": 3,
+    "full": {"hidden": 256, "layers": 4, "vocab": 512, "samples": 2000, "seq_len": 256, "batch": 8, "steps": 40,
+             "warmup": 3,
              "repeats": 3,
              "processes": [1, 2], "settle_s": 5.0},
     # Smoke: 2 processes only (DDP, gloo, accelerate's torchrun path): each Ray Train run
     # costs ~15 s of start-up here whatever its steps.
-    "smoke": {"hidden": 64, "layers": 2, "samples": 300, "seq_len": 32, "batch": 4, "steps": 6, "warmup": 3,
+    "smoke": {"hidden": 64, "layers": 2, "vocab": 512, "samples": 300, "seq_len": 32, "batch": 4, "steps": 6,
+              "warmup": 3,
               "repeats": 1,
               "processes": [2], "settle_s": 0.0},
 }
@@ -86,7 +89,16 @@ def make_llm(folder: Path, size: dict) -> Path:
     """tiny_llm's model (safetensors + tokenizer) and chat data under `folder` (kept if there)."""
     from raytrain_platform.tools.tiny_llm import make_all
 
-    if not (folder / "model" / "config.json").exists() or not (folder / "data" / "chat.jsonl").exists():
+    config, chat = folder / "model" / "config.json", folder / "data" / "chat.jsonl"
+    if config.exists() and chat.exists():  # --llm-dir reused: the sizes asked for, or say so
+        vocab = json.loads(config.read_text())["vocab_size"]
+        with chat.open() as f:
+            records = sum(1 for _ in f)
+        if vocab != size["vocab"] or records != size["samples"]:
+            raise SystemExit(f"--llm-dir {folder}: its model has vocabulary {vocab} and {records} chat records; "
+                             f"this run asks for {size['vocab']} and {size['samples']} (another folder, or "
+                             "--vocab/--samples to match)")
+    else:
         make_all(folder, samples=size["samples"], vocab_size=size["vocab"], num_layers=size["layers"],
                  hidden_size=size["hidden"], num_heads=4, num_kv_heads=2, intermediate_size=2 * size["hidden"])
     return folder

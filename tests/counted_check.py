@@ -1,7 +1,9 @@
 """Run under torchrun by tests/test_hf.py: one micro-step of an hf job on instruction
 data (a loss mask) with ``train.logits: counted`` and again with every position, on the
-same weights and batch. Rank 0 prints one JSON line: the rows the output head ran on
-(each rank's), the tokens counted, both losses, and the largest gradient difference.
+same weights and batch, then one micro-step whose targets are all prompt. Rank 0 prints
+one JSON line: the rows the output head ran on (each rank's), the tokens counted, both
+losses, the largest gradient difference, and the prompt-only step's loss and largest
+gradient.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/counted_check.py JOB.yaml
 """
@@ -48,6 +50,13 @@ def main(config: str) -> int:
         results[mode] = (float(all_reduce_sum(loss.clone())),
                          {n: _full(p.grad) for n, p in engine.wrapped.base.named_parameters() if p.grad is not None})
         engine.optimizer.zero_grad(set_to_none=True)
+    # A micro-batch whose targets are all prompt: the head runs on no row (under TP a
+    # zero-row input crosses the ranks), the loss is 0 and so is every gradient.
+    engine.head = head
+    prompt_only = {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}
+    zero_loss = float(all_reduce_sum(engine.micro_step(prompt_only, sync=True, scale=1.0).clone()))
+    zero_grad = max(float(_full(p.grad).abs().max()) for p in engine.wrapped.base.parameters() if p.grad is not None)
+    engine.optimizer.zero_grad(set_to_none=True)
     hook.remove()
     (loss_c, grads_c), (loss_a, grads_a) = results["counted"], results["all"]
     assert grads_c.keys() == grads_a.keys() and grads_c, "gradients missing"
@@ -59,7 +68,8 @@ def main(config: str) -> int:
         dist.all_gather_object(gathered, mine)
     if env.is_rank0:
         print(json.dumps({"ranks": gathered or [mine], "loss_counted": loss_c, "loss_all": loss_a,
-                          "max_grad_rel_diff": diff}))
+                          "max_grad_rel_diff": diff, "prompt_only_loss": zero_loss,
+                          "prompt_only_max_grad": zero_grad}))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

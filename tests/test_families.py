@@ -107,6 +107,40 @@ def test_loss_mask_counts_only_marked_targets():
     assert float(sums[1]) == 8.0  # 2 samples x 4 counted targets
 
 
+def test_gpt_head_on_counted_tokens_gives_the_same_loss_accuracy_and_gradients():
+    """gpt's output head (`lm_head`, after `ln_f`) run on the counted rows only
+    (core/counted.py): the summed loss, the eval sums (loss, count, correct) and every
+    gradient equal those over every position; without a head, every position."""
+    from raytrain_platform.core.counted import counted_positions
+    from raytrain_platform.models import get_family
+    from raytrain_platform.models.tasks import get_task
+
+    torch.manual_seed(0)
+    family, task = get_family("gpt"), get_task("lm")
+    kwargs = family.resolve_kwargs({"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16})
+    model = family.build(kwargs)
+    tokens = torch.randint(0, 256, (3, 17))
+    mask = (torch.rand(3, 17) < 0.4).to(torch.uint8)
+    inputs, targets = task.split({"tokens": tokens, "loss_mask": mask})
+    results = []
+    for head in (family.output_head(model), None):
+        with counted_positions(head, targets) as kept:
+            out = model(inputs)
+        kept_targets = kept.targets(out)
+        loss = task.loss_sum(out, kept_targets)
+        loss.backward()
+        results.append((out.shape, float(loss.detach()), task.eval_sums(out.detach(), kept_targets),
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))
+        model.zero_grad(set_to_none=True)
+    (shape_c, loss_c, sums_c, grads_c), (shape_a, loss_a, sums_a, grads_a) = results
+    counted = int((targets != -100).sum())
+    assert tuple(shape_c) == (counted, 256) and tuple(shape_a) == (3, 16, 256) and 0 < counted < 48
+    assert loss_c == pytest.approx(loss_a, rel=1e-6)
+    torch.testing.assert_close(sums_c, sums_a, rtol=1e-6, atol=0)
+    for name in grads_a:
+        torch.testing.assert_close(grads_c[name], grads_a[name], rtol=1e-5, atol=1e-7)
+
+
 def test_meta_build_allocates_nothing_and_initialises_after_to_empty():
     from raytrain_platform.models import get_family
 

@@ -267,42 +267,77 @@ def chat_runs(tmp_path_factory, tiny) -> LayoutRuns:
                       lambda root, name, **sections: chat_config(root, name, tiny, **sections))
 
 
+# name: (processes, config sections)
+COUNTED_CASES = {
+    "one": (1, {}),
+    "ddp2": LAYOUTS["ddp2"], "fsdp2": LAYOUTS["fsdp2"], "tp2": LAYOUTS["tp2"],
+    "fsdp2_lora": (2, {**LAYOUTS["fsdp2"][1], "model": {
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}}}),
+    # extended: 4 processes, and FSDP with activation checkpointing
+    "tp2_fsdp2": LAYOUTS["tp2_fsdp2"], "fsdp2_ac": LAYOUTS["fsdp2_ac"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["one", "ddp2", "fsdp2", "tp2", "fsdp2_lora"])
-def test_the_head_runs_on_counted_tokens_with_the_same_loss_and_gradients(tmp_path, tiny, layout):
+@pytest.mark.parametrize("case", [pytest.param(name, marks=[pytest.mark.extended] if name in _EXTENDED else [])
+                                  for name in COUNTED_CASES])
+def test_the_head_runs_on_counted_tokens_with_the_same_loss_and_gradients(tmp_path, tiny, case):
     """One micro-step on chat data, counted then every position, same weights and batch
     (tests/counted_check.py under torchrun): the head ran on exactly the counted tokens of
-    each rank's batch, and the loss and every gradient are the same (LoRA: the adapters')."""
-    lora = layout.endswith("_lora")
-    nproc, sections = (1, {}) if layout == "one" else LAYOUTS[layout.removesuffix("_lora")]
-    cfg = chat_config(tmp_path, layout, tiny, **sections)
-    if lora:
-        cfg["model"]["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
-    path = tmp_path / f"{layout}.yaml"
+    each rank's batch, and the loss and every gradient are the same (LoRA: the adapters'). Then a micro-batch of prompt only: the
+    head runs on no row, and the loss and every gradient are 0."""
+    nproc, sections = COUNTED_CASES[case]
+    cfg = chat_config(tmp_path, case, tiny, **sections)  # section by section, key by key: LoRA joins model
+    path = tmp_path / f"{case}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                            str(ROOT / "tests" / "counted_check.py"), str(path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     batch = cfg["data"]["batch_size"]
     assert len(out["ranks"]) == nproc
     for rank in out["ranks"]:
         assert 0 < rank["counted"] < rank["positions"], rank  # prompts are left out
-        assert rank["head_rows"] == [rank["counted"], batch], rank  # counted rows; then (B, T, vocab)
+        # counted rows, then (B, T, vocab) for every position, then no row (prompt only)
+        assert rank["head_rows"] == [rank["counted"], batch, 0], rank
     assert out["loss_counted"] == pytest.approx(out["loss_all"], rel=1e-6)
     assert out["max_grad_rel_diff"] <= 1e-6, out
+    assert out["prompt_only_loss"] == 0.0 and out["prompt_only_max_grad"] == 0.0, out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(CHAT_LAYOUTS))
-def test_counted_logits_train_as_every_position_on_every_layout(chat_runs, layout):
-    """10 steps on chat data: every layout with the head on counted tokens matches one
-    process with it (rtol as above), and so does one process with every position."""
+def test_counted_logits_train_and_evaluate_as_every_position_on_every_layout(chat_runs, layout):
+    """10 steps on chat data, evaluated at steps 5 and 10: every layout with the head on
+    counted tokens matches one process with it (rtol as above), and so does one process
+    with every position (train.logits: all), in training loss, val_loss and val_accuracy."""
     one = _losses(chat_runs["one"])
     assert len(one) == 10 and one[-1] < one[0] - 0.3, one  # it learns (6.25 -> 5.78 measured)
     assert_losses_close(_losses(chat_runs[layout]), one, rtol=RTOL)
+    for key in ("val_loss", "val_accuracy"):
+        want = [r[key] for r in chat_runs["one"] if key in r]
+        assert len(want) == 2, chat_runs["one"]
+        assert_losses_close([r[key] for r in chat_runs[layout] if key in r], want, rtol=RTOL)
+
+
+def test_train_logits_all_gives_the_engine_no_head_and_counted_the_models(tmp_path, tiny):
+    """The config key reaches the engine: `all` leaves the head alone (every position),
+    `counted` hooks the model's own lm_head."""
+    from raytrain_platform.config import load_config
+    from raytrain_platform.core.dist import init_torchrun
+    from raytrain_platform.core.engine import Engine
+    from raytrain_platform.resolve import resolve_job
+
+    heads = {}
+    for mode in ("counted", "all"):
+        path = tmp_path / f"{mode}.yaml"
+        path.write_text(yaml.safe_dump(chat_config(tmp_path, mode, tiny, train={**LM_TRAIN, "logits": mode})))
+        engine = Engine(resolve_job(load_config(path)), init_torchrun(use_gpu=False))
+        heads[mode] = (engine.head, engine.wrapped.base.lm_head)
+    assert heads["counted"][0] is heads["counted"][1] and heads["all"][0] is None
 
 
 def test_counted_positions_with_no_counted_token_and_a_reshaping_forward(tiny):
@@ -325,7 +360,7 @@ def test_counted_positions_with_no_counted_token_and_a_reshaping_forward(tiny):
     with counted_positions(head, none_counted) as kept:
         out = model(input_ids=ids)
         loss = task.loss_sum(out, kept.targets(out.logits))
-    assert tuple(out.logits.shape) == (0, model.config.vocab_size) and float(loss) == 0.0
+    assert tuple(out.logits.shape) == (0, model.config.vocab_size) and float(loss.detach()) == 0.0
     loss.backward()
     assert all(float(p.grad.abs().max()) == 0.0 for p in model.parameters() if p.grad is not None)
 
@@ -340,7 +375,7 @@ def test_counted_positions_with_no_counted_token_and_a_reshaping_forward(tiny):
     m, targets = Reshaping(), torch.tensor([[IGNORE_INDEX, 1, 2]])
     with counted_positions(m.lm_head, targets) as kept:
         logits = m(torch.randn(1, 3, 4))
-    with pytest.raises(ConfigError, match=r"train.logits = 'counted': expected all for this model"):
+    with pytest.raises(ConfigError, match=r"train.logits = 'counted': expected 'all' for this model"):
         kept.targets(logits)
 
 

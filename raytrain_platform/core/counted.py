@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from types import EllipsisType
 from typing import Any
 
 import torch
@@ -49,15 +50,19 @@ from torch import nn
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.models.tasks import IGNORE_INDEX
 
-__all__ = ["Selection", "counted_positions"]
+__all__ = ["Selection", "counted_positions", "counted_rows"]
+
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+
+    _DTENSOR: tuple[type, ...] = (_DTensor,)
+except ImportError:  # a build without torch.distributed
+    _DTENSOR = ()
 
 
 def _is_dtensor(x: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a build without torch.distributed
-        return False
-    return isinstance(x, DTensor)
+    return isinstance(x, _DTENSOR)
 
 
 class Selection:
@@ -75,23 +80,29 @@ class Selection:
             return self._targets
         n = self.rows.numel()
         if logits.dim() != 2 or logits.shape[0] != n:
-            raise ConfigError("train.logits", "counted", "all for this model: its forward changed the shape "
+            raise ConfigError("train.logits", "counted", "'all' for this model: its forward changed the shape "
                               f"of its output head's result (logits {tuple(logits.shape)}, {n} counted "
                               "tokens in, (tokens, vocab) expected)")
         return self._targets.reshape(-1).index_select(0, self.rows)
 
 
-@contextlib.contextmanager
-def counted_positions(head: nn.Module | None, targets: torch.Tensor) -> Iterator[Selection]:
-    """While open, `head`'s forward runs on the rows of its ``(B, T, hidden)`` input whose
-    `targets` (``(B, T)``) are counted; `head` None keeps every position."""
-    selection = Selection(targets)
-    if head is None:
-        yield selection
-        return
-
+def counted_rows(targets: torch.Tensor) -> torch.Tensor | None:
+    """The flattened indices of the counted targets; None when every target counts.
+    On a GPU this waits for the device (the count is data): the engine takes every
+    micro-batch's rows at the start of a step, where it counts the targets anyway."""
     rows = (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
-    if rows.numel() == targets.numel():  # every position counts: nothing to leave out
+    return None if rows.numel() == targets.numel() else rows
+
+
+@contextlib.contextmanager
+def counted_positions(head: nn.Module | None, targets: torch.Tensor,
+                      rows: torch.Tensor | None | EllipsisType = ...) -> Iterator[Selection]:
+    """While open, `head`'s forward runs on the rows of its ``(B, T, hidden)`` input whose
+    `targets` (``(B, T)``) are counted (`rows`, from `counted_rows`; taken here when not
+    given); `head` None, or rows None (every target counts), keeps every position."""
+    selection = Selection(targets)
+    keep = counted_rows(targets) if head is not None and rows is ... else rows
+    if head is None or keep is None or keep is ...:
         yield selection
         return
 
@@ -100,8 +111,8 @@ def counted_positions(head: nn.Module | None, targets: torch.Tensor) -> Iterator
         if (not isinstance(x, torch.Tensor) or _is_dtensor(x) or x.dim() != 3
                 or tuple(x.shape[:2]) != tuple(targets.shape)):
             return None  # not the (B, T, hidden) it can select from: every position
-        selection.rows = rows
-        return (x.reshape(-1, x.size(-1)).index_select(0, rows), *args[1:])
+        selection.rows = keep
+        return (x.reshape(-1, x.size(-1)).index_select(0, keep), *args[1:])
 
     # prepend: before a TP style's hook turns the input into a DTensor
     handle = head.register_forward_pre_hook(keep_counted, prepend=True)

@@ -18,13 +18,14 @@ import contextlib
 import itertools
 import time
 from pathlib import Path
+from types import EllipsisType
 from typing import Callable, Iterator, Protocol
 
 import torch
 
 from raytrain_platform.core.adapters import base_identity, param_counts, reset_adapters
 from raytrain_platform.core.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from raytrain_platform.core.counted import counted_positions
+from raytrain_platform.core.counted import counted_positions, counted_rows
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
 from raytrain_platform.core.nonfinite import NonFiniteGuard
 from raytrain_platform.core.optim import build_optimizer, lr_at
@@ -194,9 +195,16 @@ class Engine:
         every token counts)."""
         return self.head if "loss_mask" in batch else None
 
-    def micro_step(self, batch: Batch, *, sync: bool, scale: float | None = None) -> torch.Tensor:
+    def _rows(self, batch: Batch) -> torch.Tensor | None:
+        """The counted rows for the output head (`counted_rows`), None for every position."""
+        head = self._head_for(batch)
+        return None if head is None else counted_rows(self.task.split(batch)[1])
+
+    def micro_step(self, batch: Batch, *, sync: bool, scale: float | None = None,
+                   rows: torch.Tensor | None | EllipsisType = ...) -> torch.Tensor:
         """Forward and backward of one micro-batch; its loss times `scale` (default: the
-        mean over this micro-batch alone, for a step of one micro-batch)."""
+        mean over this micro-batch alone, for a step of one micro-batch). `rows`: the
+        output head's counted rows (`_rows`; default: taken here)."""
         inputs, targets = self.task.split(batch)
         scale = self.loss_scale([batch]) if scale is None else scale
         if self.wrapped.pipeline is not None:  # PP: the schedule runs forward and backward
@@ -204,7 +212,7 @@ class Engine:
                 return self.wrapped.pipeline.train(
                     inputs, targets, lambda out, tgt: self.task.loss_sum(out, tgt) * scale, sync=sync)
         with contextlib.nullcontext() if sync else self.wrapped.no_sync():
-            with self.autocast, counted_positions(self._head_for(batch), targets) as kept:
+            with self.autocast, counted_positions(self._head_for(batch), targets, rows) as kept:
                 outputs = self.wrapped.module(inputs)
                 loss = self.task.loss_sum(outputs, kept.targets(self.task.logits(outputs))) * scale
             loss.backward()
@@ -348,12 +356,14 @@ class Engine:
         apart = sync_grads is not None
         loss_sum, n_units, compute = torch.zeros((), device=self.env.device), 0, 0.0
         scale = self.loss_scale(batches)
+        rows = [self._rows(batch) for batch in batches]  # where loss_scale waits for the device anyway
         for micro, batch in enumerate(batches):
             if profiler and mode:
                 profiler.see(self.state.epoch, batch["sample_id"])
             n_units += batch["sample_id"].numel() * self.task.units_per_sample(batch)
             t1 = time.perf_counter()
-            loss_sum += self.micro_step(batch, scale=scale, sync=micro == accum - 1 and not apart)
+            loss_sum += self.micro_step(batch, scale=scale, sync=micro == accum - 1 and not apart,
+                                        rows=rows[micro])
             compute += self._since(t1, mode)
         t2 = time.perf_counter()
         if sync_grads is not None:
