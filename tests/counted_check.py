@@ -71,6 +71,7 @@ def main(config: str) -> int:
                           "max_grad_rel_diff": diff, "prompt_only_loss": zero_loss,
                           "prompt_only_max_grad": zero_grad}))
     if dist.is_initialized():
+        dist.barrier()  # every rank done (rank 0 printed) before any tears its groups down
         dist.destroy_process_group()
     return 0
 

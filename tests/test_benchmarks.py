@@ -96,9 +96,10 @@ def test_counted_logits_smoke(tmp_path):
     """The LM-head-on-counted-tokens benchmark (one process, no Ray, seconds): both modes
     timed; on the same batch and weights the same loss, and fewer bytes saved for backward."""
     out = _run(["benchmarks/counted_logits.py", "--smoke", "--out", str(tmp_path / "counted.json")])
-    assert "| vocabulary (model) | counted share |" in out
+    assert "| vocabulary (model) | head share of matmul weights | counted share |" in out
     got, = json.loads((tmp_path / "counted.json").read_text())["vocabs"]
     assert 0 < got["counted_share"] < 1 and got["steps_per_mode"] == 2, got
+    assert 0 < got["head_share_of_matmul_weights"] < 1, got
     assert all(v > 0 for v in got["step_s"].values()), got
     assert got["loss_sum"]["counted"] == pytest.approx(got["loss_sum"]["all"], rel=1e-5), got
     assert got["saved_bytes"]["counted"] < got["saved_bytes"]["all"], got

@@ -284,8 +284,9 @@ COUNTED_CASES = {
 def test_the_head_runs_on_counted_tokens_with_the_same_loss_and_gradients(tmp_path, tiny, case):
     """One micro-step on chat data, counted then every position, same weights and batch
     (tests/counted_check.py under torchrun): the head ran on exactly the counted tokens of
-    each rank's batch, and the loss and every gradient are the same (LoRA: the adapters'). Then a micro-batch of prompt only: the
-    head runs on no row, and the loss and every gradient are 0."""
+    each rank's batch, and the loss and every gradient are the same (LoRA: the adapters').
+    Then a micro-batch of prompt only: the head runs on no row, and the loss and every
+    gradient are 0."""
     nproc, sections = COUNTED_CASES[case]
     cfg = chat_config(tmp_path, case, tiny, **sections)  # section by section, key by key: LoRA joins model
     path = tmp_path / f"{case}.yaml"
