@@ -42,27 +42,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from types import EllipsisType
-from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.models.tasks import IGNORE_INDEX
 
 __all__ = ["Selection", "counted_positions", "counted_rows"]
-
-
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-
-    _DTENSOR: tuple[type, ...] = (_DTensor,)
-except ImportError:  # a build without torch.distributed
-    _DTENSOR = ()
-
-
-def _is_dtensor(x: Any) -> bool:
-    return isinstance(x, _DTENSOR)
 
 
 class Selection:
@@ -108,7 +96,7 @@ def counted_positions(head: nn.Module | None, targets: torch.Tensor,
 
     def keep_counted(module: nn.Module, args: tuple) -> tuple | None:
         x = args[0] if args else None
-        if (not isinstance(x, torch.Tensor) or _is_dtensor(x) or x.dim() != 3
+        if (not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.dim() != 3
                 or tuple(x.shape[:2]) != tuple(targets.shape)):
             return None  # not the (B, T, hidden) it can select from: every position
         selection.rows = keep
