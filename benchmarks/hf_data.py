@@ -1,11 +1,14 @@
 """Does tokenized data keep up with training? The data-wait fraction of a 2-worker DDP
 run on chat JSONL, tokenized and packed by Ray Data's CPU tasks, with the tiny Llama,
-over 3 epochs (each epoch restarts the Ray Data pipeline).
+over 3 epochs (each epoch restarts the Ray Data pipeline). By default the read tasks map
+the windows the driver's count pass tokenized and kept (``data.window_cache``); with
+``--no-window-cache`` they tokenize the file again every epoch, beside the workers.
 
     python benchmarks/hf_data.py            # ~1 min on 2 CPU cores; writes benchmarks/hf_data.json
     python benchmarks/hf_data.py --records 5500 --epochs 2 --out /tmp/d.json  # more records
     python benchmarks/hf_data.py --records 5500 --repeat 5 --epochs 2 --out /tmp/d.json  # 5x the file
     python benchmarks/hf_data.py --records 5500 --repeat 5 --epochs 1 --eval-every 10 --out /tmp/e.json  # evaluations
+    python benchmarks/hf_data.py --no-window-cache --out /tmp/t.json  # tokenizing in the read tasks
     python benchmarks/hf_data.py --smoke    # 2 epochs of 200 records (nothing written unless --out)
 
 The job: `tools/tiny_llm.py`'s model folder (Llama, 2 layers, d 64, 512-token BPE with a
@@ -61,12 +64,13 @@ def tiny_llama(model_dir: str):
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
 
 
-def job_config(work: Path, tiny: dict, *, epochs: int, batch: int, seq_len: int, eval_every: int = 0) -> dict:
+def job_config(work: Path, tiny: dict, *, epochs: int, batch: int, seq_len: int, eval_every: int = 0,
+               window_cache: bool = True) -> dict:
     return {
         "model": {"name": "hf_data:tiny_llama", "task": "lm", "kwargs": {"model_dir": str(tiny["model"])}},
         "data": {"source": "jsonl", "path": str(tiny["chat"]), "format": "chat",
                  "tokenizer": str(tiny["tokenizer"]), "batch_size": batch, "seq_len": seq_len,
-                 "val_fraction": 0.02},
+                 "val_fraction": 0.02, "window_cache": window_cache},
         "train": {"epochs": epochs, "lr": 1e-3, "warmup_steps": 2},
         "parallel": {"strategy": "ddp"},
         "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "torch_threads": 1},
@@ -134,7 +138,7 @@ def eval_figures(times: list[tuple[float, dict]]) -> dict:
 
 
 def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCHS, repeat: int = 1,
-            eval_every: int = 0) -> dict:
+            eval_every: int = 0, window_cache: bool = True) -> dict:
     from raytrain_platform.launch.trainer import prepare, run_job
     from raytrain_platform.tools.tiny_llm import make_all
 
@@ -144,7 +148,8 @@ def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCH
     print(f"tiny model, tokenizer and {samples} chat records: {time.perf_counter() - t0:.1f}s", flush=True)
     if repeat > 1:  # a larger file: the same records `repeat` times over
         tiny["chat"].write_text(tiny["chat"].read_text() * repeat)
-    cfg = job_config(work, tiny, epochs=epochs, batch=batch, seq_len=seq_len, eval_every=eval_every)
+    cfg = job_config(work, tiny, epochs=epochs, batch=batch, seq_len=seq_len, eval_every=eval_every,
+                     window_cache=window_cache)
     t0 = time.perf_counter()
     job = prepare(cfg)  # tokenizes every file once on the driver to count the windows
     count_s = time.perf_counter() - t0
@@ -165,7 +170,7 @@ def measure(work: Path, *, smoke: bool, records: int = 2000, epochs: int = EPOCH
         **stamp(),
         "job": f"tiny Llama (2 layers, d 64, vocab 512), chat JSONL ({written} records), 2 DDP workers "
                f"x micro-batch {batch}, seq_len {seq_len}, 0.5 CPU + 1 torch thread each",
-        "epochs": epochs, "steps_per_epoch": job.steps_per_epoch, "steps": len(rows),
+        "window_cache": window_cache, "epochs": epochs, "steps_per_epoch": job.steps_per_epoch, "steps": len(rows),
         "measured_steps": len(steady),
         "train_windows": job.data.num_train,
         "driver_count_s": round(count_s, 2), "run_wall_s": round(wall_s, 1),
@@ -189,7 +194,7 @@ def table(r: dict) -> str:
     for key in ("data_wait_frac_median", "data_wait_frac_overall", "data_wait_frac_max",
                 "epoch_first_step_wait_s", "wait_s_total", "wait_s_in_10_worst_steps",
                 "steps_waiting_over_5ms", "step_time_s_median", "tokens_per_s_median",
-                "measured_steps", "train_windows", "driver_count_s", "run_wall_s", "eval_every",
+                "measured_steps", "train_windows", "window_cache", "driver_count_s", "run_wall_s", "eval_every",
                 "first_eval_extra_s", "eval_extra_s", "meets_goal"):
         lines.append(f"| {key} | {r[key]} |")
     return "\n".join(lines)
@@ -203,15 +208,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="write the records this many times over")
     p.add_argument("--eval-every", type=int, default=0,
                    help="evaluate every N steps (default 0: once, at the last step)")
+    p.add_argument("--no-window-cache", action="store_true",
+                   help="data.window_cache false: the read tasks tokenize every epoch, beside the workers, "
+                        "instead of mapping the windows the driver's count keeps")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON result (default benchmarks/hf_data.json; with --smoke: none)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rtp-hf-data-") as tmp:
-        # The driver's count cache beside the temporary data: measured without it, and
-        # nothing left in ~/.cache for files that are gone.
+        # The token cache (counts, windows) beside the temporary data: the first count
+        # tokenizes, and nothing is left in ~/.cache for files that are gone.
         os.environ["RTP_CACHE_DIR"] = os.path.join(tmp, "cache")
         result = measure(Path(tmp), smoke=args.smoke, records=args.records, epochs=args.epochs,
-                         repeat=args.repeat, eval_every=args.eval_every)
+                         repeat=args.repeat, eval_every=args.eval_every, window_cache=not args.no_window_cache)
     print(table(result))
     out = args.out or (None if args.smoke else BENCH / "hf_data.json")
     if out:

@@ -318,6 +318,7 @@ def measure(work: Path, *, smoke: bool, repeats: int | None, sched_idle: bool,
     size = SIZES["smoke" if smoke else "full"]
     repeats = repeats or size["repeats"]
     os.environ.update(va.OFFLINE_ENV)
+    os.environ["RTP_CACHE_DIR"] = str(work / "token-cache")  # as vs_accelerate.py
     llm = va.make_llm(llm_dir or work / "tiny-llm", size)
     runs: dict[str, list[dict]] = {"ray": [], "torchrun": []}
     for i in range(repeats):

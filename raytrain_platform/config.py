@@ -133,6 +133,10 @@ class DataConfig:
     # the same samples on every rank, which `rtp doctor` flags; true is what DDP needs.
     split_across_workers: bool = True
     max_read_rows_per_s: Union[float, None] = None  # throttle each read task (simulate slow storage)
+    # text/jsonl through a tokenizer: keep the packed windows in the token cache
+    # ($RTP_CACHE_DIR, ~5 bytes per token), so that a piece is tokenized once, not by
+    # the driver's count and again by every read of it (data/window_cache.py)
+    window_cache: bool = True
 
     _ALLOWED: ClassVar[dict[str, str]] = {
         "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)"}

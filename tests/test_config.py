@@ -41,6 +41,7 @@ BAD = [
     ({"data": {"batch_size": 0}}, "data.batch_size = 0"),
     ({"data": {"source": "csv"}}, "data.source = 'csv'"),
     ({"data": {"val_fraction": 1.5}}, "data.val_fraction = 1.5"),
+    ({"data": {"window_cache": "no"}}, "data.window_cache = 'no'"),
     ({"run": {"name": "bad name!"}}, "run.name = 'bad name!'"),
     ({"run": {"keep_checkpoints": 0}}, "run.keep_checkpoints = 0"),
     ({"model": {"name": "resnet"}}, "model.name = 'resnet'"),

@@ -62,6 +62,18 @@ def write(path: Path, lines: list[str]) -> str:
     return str(path)
 
 
+def own_copies(tiny, tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path, JsonlSpec]:
+    """A token cache, and copies of the chat data and tokenizer a test may change: the
+    cache folder, the data file, the tokenizer folder and the chat spec over them."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RTP_CACHE_DIR", str(cache))
+    data = tmp_path / "chat.jsonl"
+    shutil.copy(tiny["chat"], data)
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tiny["tokenizer"], tok_dir)
+    return cache, data, tok_dir, spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir))
+
+
 def one_line(exc: pytest.ExceptionInfo) -> str:
     msg = str(exc.value)
     assert "\n" not in msg, msg
@@ -302,14 +314,9 @@ def test_counts_are_cached_per_file_tokenizer_and_spec(tiny, tmp_path, monkeypat
     unwritable cache is no cache."""
     from raytrain_platform.data import jsonl
 
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("RTP_CACHE_DIR", str(cache))
-    data = tmp_path / "chat.jsonl"
-    shutil.copy(tiny["chat"], data)
-    tok_dir = tmp_path / "tok"
-    shutil.copytree(tiny["tokenizer"], tok_dir)
-    spec = spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir))
-    spec_128 = spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), seq_len=129)
+    cache, data, tok_dir, spec = own_copies(tiny, tmp_path, monkeypatch)
+    # Sums serve any seq_len where no windows are kept for it (data.window_cache false).
+    spec_128 = spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), seq_len=129, window_cache=False)
     monkeypatch.setenv("RTP_CACHE_DIR", "")  # the reference counts, without a cache
     counted, at_128 = count_windows(spec), count_windows(spec_128)
     assert counted != at_128
@@ -326,6 +333,16 @@ def test_counts_are_cached_per_file_tokenizer_and_spec(tiny, tmp_path, monkeypat
     monkeypatch.setattr(jsonl, "_documents", tokenizes)
     assert count_windows(spec) == counted  # read back
     assert count_windows(spec_128) == at_128  # the same token sums, divided by another seq_len
+    kept_128 = spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), seq_len=129)
+    with pytest.raises(AssertionError, match="tokenized again"):  # its windows are not kept yet
+        count_windows(kept_128)
+    monkeypatch.setattr(jsonl, "_documents", real_documents)
+    assert count_windows(kept_128) == at_128  # tokenized to keep them
+    monkeypatch.setattr(jsonl, "_documents", tokenizes)
+    assert count_windows(kept_128) == at_128  # sums and windows held
+    shutil.rmtree(cache / "token-windows")
+    with pytest.raises(AssertionError, match="tokenized again"):  # sums held, windows gone
+        count_windows(spec)
     for changed in (spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), val_fraction=0.3),
                     spec_for(tiny, "chat", path=str(tiny["chat"]), tokenizer=str(tok_dir))):
         with pytest.raises(AssertionError, match="tokenized again"):
@@ -374,6 +391,234 @@ def test_text_groups_counts_are_cached(tiny, tmp_path, monkeypatch):
     (folder / "1.txt").write_text((folder / "1.txt").read_text() + "more")
     with pytest.raises(AssertionError, match="tokenized again"):
         jsonl.count_text_windows(groups, spec)
+
+
+# ---------------------------------------------------------------- the token cache's windows
+
+
+def _piece(spec, split: str, *, index: int = 0, piece=None, text: bool = False, rows: int | None = None):
+    """One read task's windows (`piece_windows`, as the read tasks call it), joined."""
+    from raytrain_platform.data import jsonl
+
+    piece = piece or (jsonl_files(spec)[0],)
+    chunks = list(jsonl.piece_windows(index, piece, spec, split, text=text, rows=rows))
+    return {k: np.concatenate([c[k] for c in chunks]) for k in ("tokens", "loss_mask", "sample_id")}, chunks
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in ("tokens", "loss_mask", "sample_id"))
+
+
+def _entries(cache: Path) -> list[Path]:
+    """The window cache's entries and temporary folders (not the writers' lock files)."""
+    folder = cache / "token-windows"
+    return sorted(p for p in folder.iterdir() if p.suffix != ".lock") if folder.exists() else []
+
+
+def _tokenizing_fails(monkeypatch):
+    from raytrain_platform.data import jsonl
+
+    def tokenizes(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(jsonl, "_documents", tokenizes)
+    monkeypatch.setattr(jsonl, "_group_documents", tokenizes)
+
+
+@pytest.mark.parametrize("fmt", ["text", "prompt_completion", "chat"])
+def test_the_count_keeps_the_windows_and_the_read_tasks_map_them(tiny, tmp_path, monkeypatch, fmt):
+    """The driver's count tokenizes each file once and writes both splits' windows; a
+    read task then maps them, never tokenizing, and gets exactly the arrays (values and
+    dtypes) it tokenizes without a cache, in chunks of the size it asks for."""
+    spec = spec_for(tiny, fmt)
+    monkeypatch.setenv("RTP_CACHE_DIR", "")
+    reference = {split: _piece(spec, split)[0] for split in ("train", "val")}
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RTP_CACHE_DIR", str(cache))
+    assert _entries(cache) == []
+    counted = count_windows(spec)
+    assert len(_entries(cache)) == 2 and counted == tuple(len(reference[s]["sample_id"]) for s in ("train", "val"))
+    _tokenizing_fails(monkeypatch)
+    for split in ("train", "val"):
+        for rows in (None, 7):
+            got, chunks = _piece(spec, split, rows=rows)
+            assert _same(got, reference[split]), (split, rows)
+            if rows:
+                assert [len(c["sample_id"]) for c in chunks[:-1]] == [rows] * (len(chunks) - 1)
+            assert all(c[k].flags.owndata for c in chunks for k in c)  # copies, not views of the file
+
+
+
+def test_an_empty_split_is_kept_as_an_entry_of_no_rows(tiny, tmp_path, monkeypatch):
+    from raytrain_platform.data import jsonl
+
+    spec = spec_for(tiny, "chat", val_fraction=0.0)
+    monkeypatch.setenv("RTP_CACHE_DIR", "")
+    reference = _piece(spec, "train")[0]
+    monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
+    assert count_windows(spec)[1] == 0
+    _tokenizing_fails(monkeypatch)
+    assert list(jsonl.piece_windows(0, (str(tiny["chat"]),), spec, "val", text=False)) == []
+    assert _same(_piece(spec, "train")[0], reference)
+
+
+def test_text_groups_windows_are_kept_per_group_and_split(tiny, tmp_path, monkeypatch):
+    from raytrain_platform.data import jsonl
+
+    folder = tmp_path / "text"
+    for i in range(3):
+        write(folder / f"{i}.txt", [json.loads(line)["text"] for line in tiny["text"].read_text().splitlines()[i::3]])
+    groups = jsonl.text_groups([(str(p), p.stat().st_size) for p in sorted(folder.iterdir())], group_bytes=1)
+    spec = spec_for(tiny, "text", path=str(folder))
+    monkeypatch.setenv("RTP_CACHE_DIR", "")
+    reference = {(g, s): _piece(spec, s, index=g, piece=paths, text=True)[0]
+                 for g, paths in enumerate(groups) for s in ("train", "val")}
+    monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
+    jsonl.count_text_windows(groups, spec)
+    assert len(_entries(tmp_path / "cache")) == 6
+    _tokenizing_fails(monkeypatch)
+    for (g, split), ref in reference.items():
+        assert _same(_piece(spec, split, index=g, piece=groups[g], text=True, rows=5)[0], ref), (g, split)
+
+
+def test_windows_are_read_only_for_the_same_files_tokenizer_and_spec(tiny, tmp_path, monkeypatch):
+    """Another seq_len, val_fraction or file index, a changed file or tokenizer file:
+    the read task tokenizes (no entry of that key), and writes the entry once it has
+    read the piece to its end, not when it stops early."""
+    from raytrain_platform.data import jsonl
+
+    cache, data, tok_dir, spec = own_copies(tiny, tmp_path, monkeypatch)
+    count_windows(spec)
+    real = jsonl._documents
+    _tokenizing_fails(monkeypatch)
+    _piece(spec, "train")  # held
+    for other, index in ((spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), seq_len=33), 0),
+                         (spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), val_fraction=0.3), 0),
+                         (spec, 1)):
+        with pytest.raises(AssertionError, match="tokenized again"):
+            _piece(other, "train", index=index)
+    (tok_dir / "chat_template.jinja").write_text((tok_dir / "chat_template.jinja").read_text() + "\n")
+    with pytest.raises(AssertionError, match="tokenized again"):
+        _piece(spec, "train")
+    shutil.copytree(tiny["tokenizer"], tok_dir, dirs_exist_ok=True)
+    with data.open("a") as f:  # one more record: another size and time
+        f.write(data.read_text().splitlines()[0] + "\n")
+    with pytest.raises(AssertionError, match="tokenized again"):
+        _piece(spec, "train")
+
+    monkeypatch.setattr(jsonl, "_documents", real)
+    at_33 = spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), seq_len=33)
+    before = _entries(cache)
+    first = next(jsonl.piece_windows(0, (str(data),), at_33, "train", text=False, rows=2))
+    assert first["tokens"].shape == (2, 33)
+    assert _entries(cache) == before  # a reader that stopped early (the generator unfinished)
+    streamed = _piece(at_33, "train")[0]  # read to the end: written
+    assert len(_entries(cache)) == len(before) + 1 and not list(cache.glob("token-windows/*.tmp"))
+    _tokenizing_fails(monkeypatch)
+    assert _same(_piece(at_33, "train", rows=3)[0], streamed)
+
+
+def test_broken_unwritable_or_no_window_cache_still_reads_the_same(tiny, tmp_path, monkeypatch):
+    """An entry cut short, of another key or without its meta reads as none (the piece
+    is tokenized again, and the entry written anew); a cache that cannot be written, or
+    none, still reads every window; a bad record leaves no entry behind."""
+    from raytrain_platform.data import jsonl
+
+    spec = spec_for(tiny, "chat")
+    monkeypatch.setenv("RTP_CACHE_DIR", "")
+    reference = _piece(spec, "train")[0]
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RTP_CACHE_DIR", str(cache))
+    count_windows(spec)
+    real = jsonl._documents
+    breakages = {
+        "cut short": lambda e: (e / "tokens.bin").write_bytes((e / "tokens.bin").read_bytes()[:-4]),
+        "another key": lambda e: (e / "meta.json").write_text(
+            json.dumps({**json.loads((e / "meta.json").read_text()), "key": {"other": 1}})),
+        "no meta": lambda e: (e / "meta.json").unlink(),
+        "rows not an integer": lambda e: (e / "meta.json").write_text(
+            json.dumps({**json.loads((e / "meta.json").read_text()), "rows": "12"})),
+    }
+    for what, brake in breakages.items():
+        for entry in _entries(cache):
+            if (entry / "meta.json").exists():  # the val entry stays as the last breakage left it
+                brake(entry)
+        _tokenizing_fails(monkeypatch)
+        with pytest.raises(AssertionError, match="tokenized again"):
+            _piece(spec, "train")
+        monkeypatch.setattr(jsonl, "_documents", real)
+        assert _same(_piece(spec, "train")[0], reference), what  # tokenized, and written anew
+        _tokenizing_fails(monkeypatch)
+        assert _same(_piece(spec, "train")[0], reference), what  # read back
+        monkeypatch.setattr(jsonl, "_documents", real)
+    assert not list(cache.glob("token-windows/*.tmp"))
+
+    off = spec_for(tiny, "chat", window_cache=False)  # data.window_cache: false
+    monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "off"))
+    assert count_windows(off) and _entries(tmp_path / "off") == [] and _same(_piece(off, "train")[0], reference)
+    assert _entries(tmp_path / "off") == [] and (tmp_path / "off" / "token-counts").is_dir()
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("RTP_CACHE_DIR", str(blocker))  # a file, not a folder: cannot be written
+    assert count_windows(spec) and _same(_piece(spec, "train")[0], reference)
+
+    bad = write(tmp_path / "late.jsonl", tiny["chat"].read_text().splitlines() + ["{not json"])
+    bad_spec = spec_for(tiny, "chat", path=bad)
+    fresh = tmp_path / "fresh"
+    monkeypatch.setenv("RTP_CACHE_DIR", str(fresh))
+    for attempt in (lambda: count_windows(bad_spec), lambda: _piece(bad_spec, "train")):
+        with pytest.raises(DataError, match="not valid JSON"):
+            attempt()
+        assert _entries(fresh) == []  # nothing half-written, no temporary folder left
+
+
+def test_one_writer_per_entry_a_whole_entry_kept_and_stale_leftovers_swept(tiny, tmp_path, monkeypatch):
+    """Two processes keeping the same windows (torchrun ranks each counting): the second
+    gets no writer while the first writes (a lock), and a whole entry already in place
+    is kept; a temporary folder a killed writer left a day ago is removed by the next
+    writer, a recent one (a writer at work) is not; a disk that fills up mid-write
+    leaves no entry and every window still read."""
+    import os
+    import time
+
+    from raytrain_platform.data import jsonl, window_cache
+
+    spec = spec_for(tiny, "chat")
+    monkeypatch.setenv("RTP_CACHE_DIR", "")
+    reference = _piece(spec, "train")[0]
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("RTP_CACHE_DIR", str(cache_dir))
+    cache = jsonl._TokenCache.open(spec)
+    piece, key = [jsonl_files(spec)[0]], jsonl._file_key(0, spec)
+    first = cache.window_writer(piece, key, "train", SEQ_LEN)
+    assert first is not None and cache.window_writer(piece, key, "train", SEQ_LEN) is None  # locked
+    first.add(reference)
+    first.commit()
+    second = cache.window_writer(piece, key, "train", SEQ_LEN)  # the lock is free again
+    second.add({k: np.zeros_like(v) for k, v in reference.items()})
+    second.commit()  # the whole entry in place is kept
+    assert _same(cache.windows(piece, key, "train", SEQ_LEN), reference)
+
+    folder = cache_dir / "token-windows"
+    old, recent = folder / "left-by-a-killed-writer.tmp", folder / "a-writer-at-work.tmp"
+    for leftover in (old, recent):
+        leftover.mkdir()
+        (leftover / "tokens.bin").write_bytes(b"\0" * 8)
+    day_ago = time.time() - 25 * 3600
+    for path in (old / "tokens.bin", old):
+        os.utime(path, (day_ago, day_ago))
+    cache.window_writer(piece, key, "val", SEQ_LEN).abort()
+    assert not old.exists() and recent.exists()
+
+    def full_disk(self, chunk):
+        raise OSError(28, "No space left on device")
+
+    fresh = tmp_path / "fresh"
+    monkeypatch.setenv("RTP_CACHE_DIR", str(fresh))
+    monkeypatch.setattr(window_cache.Writer, "add", full_disk)
+    assert count_windows(spec) and _same(_piece(spec, "train")[0], reference)
+    assert _entries(fresh) == []  # nothing half-written, no temporary folder left
 
 
 def test_a_tokenizer_changed_in_place_is_loaded_again(tiny, tmp_path):

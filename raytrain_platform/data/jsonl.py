@@ -1,11 +1,13 @@
 """JSONL instruction data, tokenized with a Hugging Face tokenizer and packed into
 fixed-length windows (numpy only: no Ray, no torch).
 
-Ray Data runs `stream_jsonl_windows` once per file inside ``map_batches``, which yields
-the windows a chunk at a time as it tokenizes, and the Ray-free reader runs the same
-function in a loop, so both paths see the same windows in the same order. Everything
-is pure and deterministic: same files, tokenizer and spec → same arrays, whatever the
-chunk size.
+Ray Data runs `piece_windows` once per file inside ``map_batches``, and the Ray-free
+reader runs the same function in a loop, so both paths see the same windows in the
+same order: mapped from the token cache, where the driver's count pass keeps each
+file's windows (`window_cache`), or else tokenized by `stream_jsonl_windows`, which
+yields them a chunk at a time as it tokenizes. Everything is pure and deterministic:
+same files, tokenizer and spec → same arrays, whatever the chunk size and whether
+cached.
 
 Three record formats, one JSON object per line (blank lines are skipped):
 
@@ -49,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from raytrain_platform.data import window_cache
 from raytrain_platform.data.sources import split_mask
 from raytrain_platform.errors import ConfigError, DataError
 
@@ -75,6 +78,7 @@ __all__ = [
     "stream_text_group_windows",
     "text_group_windows",
     "count_text_windows",
+    "piece_windows",
     "check_fits",
 ]
 
@@ -96,6 +100,7 @@ class JsonlSpec:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    window_cache: bool = True  # keep packed windows in the token cache (`_TokenCache`)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -348,42 +353,57 @@ def _documents(file_index: int, path: str, spec: JsonlSpec,
         yield is_val, ids, mask
 
 
-def _pack(docs: Iterable[tuple[list[int], list[int]]], seq_len: int, first_id: int,
-          rows: int) -> Iterator[dict[str, np.ndarray]]:
+class _Packer:
     """Documents (ids, mask) concatenated in order and cut into non-overlapping windows
-    of `seq_len` tokens (the tail is dropped), yielded `rows` windows at a time (the
-    last chunk may hold fewer) as soon as the documents fill them. Window ``i`` gets
-    ``sample_id`` ``first_id | i``. Each token is copied a bounded number of times,
+    of `seq_len` tokens (the tail is dropped), `rows` windows to a chunk (the last may
+    hold fewer), each chunk handed back as soon as the documents fill it. Window ``i``
+    gets ``sample_id`` ``first_id | i``. Each token is copied a bounded number of times,
     however long a document is."""
-    chunk = rows * seq_len
-    pending: list[tuple[np.ndarray, np.ndarray]] = []
-    have = done = 0
 
-    def windows(ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-        nonlocal done
-        n = ids.size // seq_len
-        out = {"tokens": ids.reshape(n, seq_len), "loss_mask": mask.reshape(n, seq_len),
-               "sample_id": np.int64(first_id) | np.arange(done, done + n, dtype=np.int64)}
-        done += n
+    def __init__(self, seq_len: int, first_id: int, rows: int):
+        self.seq_len, self.first_id, self.chunk = seq_len, first_id, rows * seq_len
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.have = self.done = 0
+
+    def _windows(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        n = ids.size // self.seq_len
+        out = {"tokens": ids.reshape(n, self.seq_len), "loss_mask": mask.reshape(n, self.seq_len),
+               "sample_id": np.int64(self.first_id) | np.arange(self.done, self.done + n, dtype=np.int64)}
+        self.done += n
         return out
 
-    def joined() -> tuple[np.ndarray, np.ndarray]:
-        return np.concatenate([i for i, _ in pending]), np.concatenate([m for _, m in pending])
+    def _joined(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.concatenate([i for i, _ in self.pending]), np.concatenate([m for _, m in self.pending])
 
+    def add(self, doc_ids: list[int], doc_mask: list[int]) -> list[dict[str, np.ndarray]]:
+        """The chunks this document completes (often none)."""
+        self.pending.append((np.asarray(doc_ids, dtype=np.int32), np.asarray(doc_mask, dtype=np.uint8)))
+        self.have += len(doc_ids)
+        if self.have < self.chunk:
+            return []
+        ids, mask = self._joined()
+        whole = self.have // self.chunk * self.chunk
+        out = [self._windows(ids[start:start + self.chunk], mask[start:start + self.chunk])
+               for start in range(0, whole, self.chunk)]
+        self.pending, self.have = [(ids[whole:], mask[whole:])], self.have - whole
+        return out
+
+    def end(self) -> list[dict[str, np.ndarray]]:
+        """The last, shorter chunk of whole windows, if any."""
+        if self.have < self.seq_len:
+            return []
+        ids, mask = self._joined()
+        n = self.have // self.seq_len * self.seq_len
+        return [self._windows(ids[:n], mask[:n])]
+
+
+def _pack(docs: Iterable[tuple[list[int], list[int]]], seq_len: int, first_id: int,
+          rows: int) -> Iterator[dict[str, np.ndarray]]:
+    """`_Packer`'s chunks of `docs`, as the documents fill them."""
+    packer = _Packer(seq_len, first_id, rows)
     for doc_ids, doc_mask in docs:
-        pending.append((np.asarray(doc_ids, dtype=np.int32), np.asarray(doc_mask, dtype=np.uint8)))
-        have += len(doc_ids)
-        if have < chunk:
-            continue
-        ids, mask = joined()
-        whole = have // chunk * chunk
-        for start in range(0, whole, chunk):
-            yield windows(ids[start:start + chunk], mask[start:start + chunk])
-        pending, have = [(ids[whole:], mask[whole:])], have - whole
-    if have >= seq_len:
-        ids, mask = joined()
-        n = have // seq_len * seq_len
-        yield windows(ids[:n], mask[:n])
+        yield from packer.add(doc_ids, doc_mask)
+    yield from packer.end()
 
 
 def _joined(chunks: Iterable[dict[str, np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
@@ -400,10 +420,8 @@ def stream_jsonl_windows(file_index: int, path: str, spec: JsonlSpec, split: str
     """`jsonl_windows`'s arrays `rows` windows at a time (default `stream_rows`),
     each chunk yielded as soon as the file's records fill it."""
     _check_split(split)
-    val = split == "val"
     docs = ((ids, mask) for _, ids, mask in _documents(file_index, path, spec, (split,)))
-    first_id = (file_index << 32) | (_VAL_BIT if val else 0)
-    return _pack(docs, spec.seq_len, first_id, rows or stream_rows(spec.seq_len))
+    return _pack(docs, spec.seq_len, _first_id(file_index, split), rows or stream_rows(spec.seq_len))
 
 
 def jsonl_windows(file_index: int, path: str, spec: JsonlSpec, split: str) -> dict[str, np.ndarray]:
@@ -461,7 +479,7 @@ class CountProgress:
                         f"windows in {time.monotonic() - self.started:.1f}s")
 
 
-# ---------------------------------------------------------------- the count cache
+# ---------------------------------------------------------------- the token cache
 
 CACHE_ENV = "RTP_CACHE_DIR"
 # A tokenizer folder is often the model's: its weights do not change the tokenizer.
@@ -470,8 +488,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h
 
 
 def cache_dir() -> Path | None:
-    """Where the driver keeps token counts: ``$RTP_CACHE_DIR`` (set empty: no cache),
-    else ``~/.cache/raytrain_platform``."""
+    """Where token counts and windows are kept (`_TokenCache`): ``$RTP_CACHE_DIR`` (set
+    empty: no cache), else ``~/.cache/raytrain_platform``."""
     value = os.environ.get(CACHE_ENV)
     if value is not None:
         return Path(value) if value else None
@@ -506,33 +524,46 @@ def _version(package: str) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _code_fingerprint() -> str:
-    """This module's and sources.py's code: how records become tokens and splits."""
+    """This module's, sources.py's and window_cache.py's code: how records become
+    tokens, splits and kept windows."""
     from raytrain_platform.data import sources
 
-    return hashlib.sha256(Path(__file__).read_bytes() + Path(sources.__file__).read_bytes()).hexdigest()
+    return hashlib.sha256(b"".join(Path(str(m.__file__)).read_bytes() for m in (sys.modules[__name__], sources,
+                                                                          window_cache))).hexdigest()
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_key(tokenizer: str, state: tuple) -> dict:
+    """What every entry's key holds: the tokenizer's files, the libraries, the code.
+    `state` (`_folder_state`) keys the memo: a changed tokenizer file is hashed again."""
+    return {"tokenizer": _tokenizer_fingerprint(tokenizer), "code": _code_fingerprint(),
+            "libraries": [_version(p) for p in ("transformers", "tokenizers", "jinja2")]}
 
 
 @dataclass(frozen=True)
-class _CountCache:
-    """Token sums of files, kept under `folder` by a key of the files' identity and
-    everything their tokens depend on: `shared` (the tokenizer's files, the library
-    versions, this code) and each count's own part (the spec's fields)."""
+class _TokenCache:
+    """What tokenizing files gave, kept under `root` by a key of the files' identity
+    and everything their tokens depend on: `shared` (the tokenizer's files, the library
+    versions, this code) and each entry's own part (the spec's fields). Two kinds:
+    token sums (``token-counts/``, the driver's count, any seq_len) and packed windows
+    (``token-windows/``, `window_cache`, per seq_len and split)."""
 
-    folder: Path
+    root: Path
     shared: dict
 
     @classmethod
-    def open(cls, spec: JsonlSpec) -> "_CountCache | None":
+    def open(cls, spec: JsonlSpec) -> "_TokenCache | None":
         """None when there is no cache: none configured, or its key cannot be read."""
         root = cache_dir()
         if root is None or not os.path.isdir(spec.tokenizer):
             return None
         try:
-            shared = {"tokenizer": _tokenizer_fingerprint(spec.tokenizer), "code": _code_fingerprint(),
-                      "libraries": [_version(p) for p in ("transformers", "tokenizers", "jinja2")]}
+            shared = _shared_key(spec.tokenizer, (_folder_state(spec.tokenizer),
+                                                  _folder_state(os.path.join(spec.tokenizer,
+                                                                             "additional_chat_templates"))))
         except OSError:  # an unreadable file beside the tokenizer's, code without sources
             return None
-        return cls(root / "token-counts", shared)
+        return cls(root, shared)
 
     @staticmethod
     def _stamp(path: str) -> list | None:
@@ -549,47 +580,153 @@ class _CountCache:
             return None
         return None if info.mtime_ns is None else [path, info.size, info.mtime_ns]
 
-    def tokens(self, paths: Iterable[str], key: dict, sums: int,
-               compute: Callable[[], list[int]]) -> list[int]:
-        """`compute()`, `sums` token sums of the files at `paths`, or the sums it gave
-        before for the same key. A cache that cannot be read or written is no cache."""
+    def _key(self, paths: Iterable[str], key: dict) -> dict | None:
+        """The whole key of an entry (as JSON gives it back), None if a file has no stamp."""
         stamps = [self._stamp(p) for p in paths]
         if any(stamp is None for stamp in stamps):
+            return None
+        return json.loads(json.dumps({**self.shared, **key, "files": stamps}))
+
+    @staticmethod
+    def _name(key: dict) -> str:
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+    def tokens(self, paths: Iterable[str], key: dict, sums: int,
+               compute: Callable[[], list[int]], *, fresh: bool = False) -> list[int]:
+        """`compute()`, `sums` token sums of the files at `paths`, or the sums it gave
+        before for the same key (not with `fresh`: computed and kept again). A cache
+        that cannot be read or written is no cache."""
+        full = self._key(paths, key)
+        if full is None:
             return compute()
-        key = {**self.shared, **key, "files": stamps}
-        path = self.folder / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".json")
+        path = self.root / "token-counts" / f"{self._name(full)}.json"
         try:
             tokens = json.loads(path.read_text())["tokens"]
-            if isinstance(tokens, list) and len(tokens) == sums and all(type(t) is int and t >= 0 for t in tokens):
+            if (not fresh and isinstance(tokens, list) and len(tokens) == sums
+                    and all(type(t) is int and t >= 0 for t in tokens)):
                 return tokens
         except (OSError, ValueError, KeyError, TypeError):
             pass
         tokens = compute()
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
-            tmp.write_text(json.dumps({"key": key, "tokens": tokens}))
+            tmp.write_text(json.dumps({"key": full, "tokens": tokens}))
             os.replace(tmp, path)
         except OSError:
             pass
         return tokens
 
+    def _windows_entry(self, paths: Iterable[str], key: dict, split: str,
+                       seq_len: int) -> tuple[Path, dict] | None:
+        full = self._key(paths, {**key, "split": split, "seq_len": seq_len, "windows": window_cache.FORMAT})
+        return None if full is None else (self.root / "token-windows" / self._name(full), full)
+
+    def windows(self, paths: Iterable[str], key: dict, split: str, seq_len: int) -> dict[str, np.ndarray] | None:
+        """The `split` windows of the files at `paths` as a complete entry holds them
+        (memory-mapped), or None."""
+        entry = self._windows_entry(paths, key, split, seq_len)
+        return None if entry is None else window_cache.read(entry[0], entry[1], seq_len)
+
+    def window_writer(self, paths: Iterable[str], key: dict, split: str,
+                      seq_len: int) -> window_cache.Writer | None:
+        """A new entry for those windows, None where it cannot be written (or another
+        process is writing it)."""
+        entry = self._windows_entry(paths, key, split, seq_len)
+        try:
+            return None if entry is None else window_cache.Writer(entry[0], entry[1], seq_len)
+        except OSError:  # BlockingIOError included
+            return None
+
+    def lacks_windows(self, paths: list[str], key: dict, spec: JsonlSpec) -> bool:
+        """With `spec.window_cache`: a split of those files has no complete entry (the
+        count then tokenizes them, though it holds their sums, to keep the windows)."""
+        return spec.window_cache and any(self.windows(paths, key, s, spec.seq_len) is None for s in ("train", "val"))
+
+
+class _CountedWindows:
+    """The count pass's windows of one piece, both splits, written to the token cache
+    as it tokenizes them: the read tasks then map them instead of tokenizing again.
+    Nothing without a cache; a split whose entry cannot be written is left out."""
+
+    def __init__(self, cache: _TokenCache | None, paths: list[str], key: dict, spec: JsonlSpec):
+        self.val_fraction = spec.val_fraction
+        writers = {s: cache.window_writer(paths, key, s, spec.seq_len) for s in ("train", "val")} if cache else {}
+        self.writers = {s: w for s, w in writers.items() if w is not None}
+
+    def wants(self, split: str) -> bool:
+        return split in self.writers
+
+    def put(self, split: str, chunks: Iterable[dict[str, np.ndarray]]) -> None:
+        writer = self.writers.get(split)
+        if writer is None:
+            return
+        try:
+            for chunk in chunks:
+                writer.add(chunk)
+        except (OSError, ValueError):
+            writer.abort()
+            del self.writers[split]
+
+    def put_by_id(self, chunks: Iterable[dict[str, np.ndarray]]) -> None:
+        """Windows of both splits, each to its own by its sample id (text groups)."""
+        for chunk in chunks:
+            val = split_mask(chunk["sample_id"], self.val_fraction, "val")
+            self.put("val", [{k: v[val] for k, v in chunk.items()}])
+            self.put("train", [{k: v[~val] for k, v in chunk.items()}])
+
+    def commit(self) -> None:
+        for writer in self.writers.values():
+            writer.commit()
+
+    def abort(self) -> None:
+        for writer in self.writers.values():
+            writer.abort()
+
+
+def _file_key(file_index: int, spec: JsonlSpec) -> dict:
+    """A .jsonl file's part of its token cache keys."""
+    return {"file_index": file_index, "format": spec.format, "val_fraction": spec.val_fraction,
+            "fields": [spec.text_field, spec.prompt_field, spec.completion_field, spec.messages_field]}
+
+
+def _first_id(file_index: int, split: str) -> int:
+    return (file_index << 32) | (_VAL_BIT if split == "val" else 0)
+
 
 def count_file_windows(file_index: int, path: str, spec: JsonlSpec, progress: CountProgress | None = None,
-                       cache: _CountCache | None = None) -> tuple[int, int]:
-    """(train, val) windows of one file: tokenizes it once, or reads back the token sums
-    `cache` holds for it."""
+                       cache: _TokenCache | None = None) -> tuple[int, int]:
+    """(train, val) windows of one file: tokenizes it once (and keeps its windows in
+    `cache`), or reads back the token sums `cache` holds for it when it also holds its
+    windows (or `data.window_cache` is off)."""
+    key = _file_key(file_index, spec)
+
     def compute() -> list[int]:
         tokens = [0, 0]
-        for is_val, ids, _ in _documents(file_index, path, spec):
-            tokens[is_val] += len(ids)
-            if progress:
-                progress.add(len(ids))
+        packers = {s: _Packer(spec.seq_len, _first_id(file_index, s), stream_rows(spec.seq_len))
+                   for s in ("train", "val")}
+        out = _CountedWindows(cache if spec.window_cache else None, [path], key, spec)
+        try:
+            for is_val, ids, mask in _documents(file_index, path, spec):
+                tokens[is_val] += len(ids)
+                if progress:
+                    progress.add(len(ids))
+                split = "val" if is_val else "train"
+                if out.wants(split):
+                    out.put(split, packers[split].add(ids, mask))
+            for split, packer in packers.items():
+                if out.wants(split):
+                    out.put(split, packer.end())
+        except BaseException:
+            out.abort()
+            raise
+        out.commit()
         return tokens
 
-    key = {"file_index": file_index, "format": spec.format, "val_fraction": spec.val_fraction,
-           "fields": [spec.text_field, spec.prompt_field, spec.completion_field, spec.messages_field]}
-    train, val = cache.tokens([path], key, 2, compute) if cache else compute()
+    if cache is None:
+        train, val = compute()
+    else:
+        train, val = cache.tokens([path], key, 2, compute, fresh=cache.lacks_windows([path], key, spec))
     return train // spec.seq_len, val // spec.seq_len
 
 
@@ -597,7 +734,7 @@ def count_windows(spec: JsonlSpec) -> tuple[int, int]:
     """(train, val) windows over all files; DataError when there is no training window.
     A pass of more than a few seconds reports its progress on stderr."""
     train = val = 0
-    progress, cache = CountProgress("data.path"), _CountCache.open(spec)
+    progress, cache = CountProgress("data.path"), _TokenCache.open(spec)
     for file_index, path in enumerate(jsonl_files(spec)):
         t, v = count_file_windows(file_index, path, spec, progress, cache)
         train, val = train + t, val + v
@@ -666,19 +803,40 @@ def text_group_windows(group_index: int, paths: tuple[str, ...], spec: JsonlSpec
     return _joined(stream_text_group_windows(group_index, paths, spec, split), spec.seq_len)
 
 
+def _group_key(group_index: int, spec: JsonlSpec) -> dict:
+    """A text group's part of its windows' keys (its token sums need none: the group's
+    files are the whole key)."""
+    return {"text_group": group_index, "val_fraction": spec.val_fraction}
+
+
 def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[int, int]:
     """(train, val) windows over all groups; DataError when there is no training window."""
     train = val = 0
-    progress, cache = CountProgress("data.path"), _CountCache.open(spec)
+    progress, cache = CountProgress("data.path"), _TokenCache.open(spec)
     for g, paths in enumerate(groups):
-        def compute(paths: tuple[str, ...] = paths) -> list[int]:
+        def compute(g: int = g, paths: tuple[str, ...] = paths) -> list[int]:
             tokens = 0
-            for ids, _ in _group_documents(paths, spec):
-                tokens += len(ids)
-                progress.add(len(ids))
+            out = _CountedWindows(cache if spec.window_cache else None, list(paths), _group_key(g, spec), spec)
+            packer = _Packer(spec.seq_len, g << 32, stream_rows(spec.seq_len))
+            try:
+                for ids, mask in _group_documents(paths, spec):
+                    tokens += len(ids)
+                    progress.add(len(ids))
+                    if out.writers:
+                        out.put_by_id(packer.add(ids, mask))
+                if out.writers:
+                    out.put_by_id(packer.end())
+            except BaseException:
+                out.abort()
+                raise
+            out.commit()
             return [tokens]
 
-        n = (cache.tokens(paths, {"text_group": True}, 1, compute) if cache else compute())[0] // spec.seq_len
+        if cache is None:
+            n = compute()[0] // spec.seq_len
+        else:
+            n = cache.tokens(paths, {"text_group": True}, 1, compute,
+                             fresh=cache.lacks_windows(list(paths), _group_key(g, spec), spec))[0] // spec.seq_len
         ids = (np.int64(g) << np.int64(32)) | np.arange(n, dtype=np.int64)
         is_val = split_mask(ids, spec.val_fraction, "val")
         train, val = train + int((~is_val).sum()), val + int(is_val.sum())
@@ -688,6 +846,30 @@ def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[
                         "lower data.seq_len)")
     progress.done(train, val)
     return train, val
+
+
+# ---------------------------------------------------------------- the read tasks' windows
+
+
+def piece_windows(index: int, piece: tuple[str, ...], spec: JsonlSpec, split: str, *, text: bool,
+                  rows: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """Piece `index` of a tokenized source (one .jsonl file; with `text`, a group of
+    text files), its `split` windows about `rows` at a time (default `stream_rows`):
+    mapped from the token cache where an entry holds them (the driver's count pass
+    writes them, unless `data.window_cache` is off), else tokenized
+    (`stream_jsonl_windows`, `stream_text_group_windows`: a node without the driver's
+    cache, an entry removed since) and written there once the piece has been read to its
+    end. The same arrays either way."""
+    _check_split(split)
+    rows = rows or stream_rows(spec.seq_len)
+    key = _group_key(index, spec) if text else _file_key(index, spec)
+    cache = _TokenCache.open(spec) if spec.window_cache else None
+    held = cache.windows(piece, key, split, spec.seq_len) if cache else None
+    if held is not None:
+        return window_cache.slices(held, rows)
+    chunks = (stream_text_group_windows(index, piece, spec, split, rows=rows) if text
+              else stream_jsonl_windows(index, piece[0], spec, split, rows=rows))
+    return window_cache.tee(chunks, lambda: cache.window_writer(piece, key, split, spec.seq_len) if cache else None)
 
 
 def check_fits(spec: JsonlSpec, *, vocab_size: int | None, max_positions: int | None) -> None:

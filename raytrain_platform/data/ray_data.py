@@ -1,12 +1,14 @@
 """Ray Data pipelines for the sources: read -> cut/tokenize/generate -> split -> shard.
 
-Tokenized sources (jsonl, text with a tokenizer) tokenize and pack in Ray Data's CPU
-tasks, which stream their windows a chunk at a time: the training loop only receives
-int32 token windows and their loss masks. There is one task per piece (a .jsonl file,
+Tokenized sources (jsonl, text with a tokenizer) are read in Ray Data's CPU tasks,
+which stream their windows a chunk at a time: the training loop only receives int32
+token windows and their loss masks. A task maps the windows the driver's count pass
+kept in the token cache (`jsonl.piece_windows`, `data.window_cache`), or tokenizes and
+packs the piece where no entry holds them. There is one task per piece (a .jsonl file,
 or a group of text files), except for a train split dealt to several workers: there
 one task reads the pieces in order and yields one micro-batch per block. Their
 validation split is only what evaluation reads (its first `run.eval_batches`
-micro-batches per rank), tokenized on the driver into one in-memory block.
+micro-batches per rank), read on the driver into one in-memory block.
 
 Ordering is part of the contract. With ``preserve_order`` the pipeline yields
 samples in source order; for several workers it is cut into blocks of exactly one
@@ -57,9 +59,9 @@ class _TextWindows:
 
 
 class _TokenWindows:
-    """A read task over one or more pieces in order: their windows, yielded as they are
-    tokenized in chunks of exactly `rows` windows (the last may hold fewer), across
-    piece ends."""
+    """A read task over one or more pieces in order: their windows (mapped from the
+    token cache, or tokenized as they are read), yielded in chunks of exactly `rows`
+    windows (the last may hold fewer), across piece ends."""
 
     def __init__(self, spec: SourceSpec, split: str, pieces: list[tuple[str, ...]], rows: int):
         self.spec, self.split, self.pieces, self.rows = spec, split, pieces, rows
@@ -164,8 +166,8 @@ def parquet_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
 
 def _eval_dataset(spec: SourceSpec, cfg: "JobConfig", info: DataInfo) -> "ray.data.Dataset":
     """A tokenized validation split as evaluation reads it, once per attempt: its first
-    `run.eval_batches` micro-batches per data-parallel rank, tokenized here on the
-    driver into one in-memory block. That covers any worker count an elastic run gets
+    `run.eval_batches` micro-batches per data-parallel rank, read here on the driver
+    (from the token cache, or tokenized) into one in-memory block. That covers any worker count an elastic run gets
     (at most `scaling.num_workers`). Not a read task: the train split's task keeps its
     CPU while it streams the epoch, and a validation task that needs one more CPU than
     is free waits for that task to end, with training stopped at its first evaluation

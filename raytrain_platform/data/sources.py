@@ -98,6 +98,7 @@ class SourceSpec:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    window_cache: bool = True  # tokenized: keep packed windows in the token cache
 
     @classmethod
     def from_config(cls, cfg: "JobConfig") -> "SourceSpec":
@@ -110,7 +111,8 @@ class SourceSpec:
                    feature_columns=tuple(d.feature_columns or ()), label_column=d.label_column,
                    max_read_rows_per_s=d.max_read_rows_per_s, tokenizer=d.tokenizer_for(m),
                    format=d.format, text_field=d.text_field, prompt_field=d.prompt_field,
-                   completion_field=d.completion_field, messages_field=d.messages_field)
+                   completion_field=d.completion_field, messages_field=d.messages_field,
+                   window_cache=d.window_cache)
 
     @property
     def tokenized(self) -> bool:
@@ -126,7 +128,8 @@ class SourceSpec:
                          format=self.format if self.kind == "jsonl" else "text",
                          seq_len=self.seq_len, val_fraction=self.val_fraction,
                          text_field=self.text_field, prompt_field=self.prompt_field,
-                         completion_field=self.completion_field, messages_field=self.messages_field)
+                         completion_field=self.completion_field, messages_field=self.messages_field,
+                         window_cache=self.window_cache)
 
     def throttle(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Sleep as long as reading these rows takes at ``max_read_rows_per_s`` (no-op
@@ -234,16 +237,12 @@ def rebatch(pieces: Iterable[dict[str, np.ndarray]], rows: int, *,
 
 def token_windows(index: int, piece: tuple[str, ...], spec: SourceSpec, split: str, *,
                   rows: int | None = None) -> Iterator[dict[str, np.ndarray]]:
-    """Piece `index` tokenized and packed, the `split` part of it, yielded as it is
-    tokenized about `rows` windows at a time (default `jsonl.stream_rows`): tokens int32
-    and loss_mask uint8 (n, seq_len), sample_id (n,)."""
+    """Piece `index` tokenized and packed, the `split` part of it, about `rows` windows
+    at a time (default `jsonl.stream_rows`) as it is tokenized, or from the token cache
+    (`jsonl.piece_windows`): tokens int32 and loss_mask uint8 (n, seq_len), sample_id (n,)."""
     from raytrain_platform.data import jsonl
 
-    if spec.kind == "jsonl":
-        chunks = jsonl.stream_jsonl_windows(index, piece[0], spec.token_spec(), split, rows=rows)
-    else:
-        chunks = jsonl.stream_text_group_windows(index, piece, spec.token_spec(), split, rows=rows)
-    for chunk in chunks:
+    for chunk in jsonl.piece_windows(index, piece, spec.token_spec(), split, text=spec.kind != "jsonl", rows=rows):
         yield spec.throttle(chunk)
 
 

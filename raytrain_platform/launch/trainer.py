@@ -87,6 +87,14 @@ _TRAIN_WORKER_ENV = {"RAY_worker_niceness": "0"}
 JOB_ENV = dict(_RAY_ENV)  # every process of the job
 
 
+def _cache_env() -> dict[str, str]:
+    """The driver's token cache folder (`data/jsonl.py`, ``RTP_CACHE_DIR``) for the job's
+    processes, where it set one: read tasks find the windows its count pass kept."""
+    from raytrain_platform.data.jsonl import CACHE_ENV
+
+    return {CACHE_ENV: os.environ[CACHE_ENV]} if CACHE_ENV in os.environ else {}
+
+
 def init_ray(address: str | None, verbose: bool, *, env_vars: dict[str, str] | None = None) -> None:
     """Connect to `address` (or ``RAY_ADDRESS``), else start a fresh embedded Ray; no-op
     when connected. The job's processes get `env_vars` (default `JOB_ENV`: quiet logs;
@@ -99,7 +107,7 @@ def init_ray(address: str | None, verbose: bool, *, env_vars: dict[str, str] | N
         return
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict = {"log_to_driver": verbose, "logging_level": "INFO" if verbose else "WARNING",
-                    "runtime_env": {"env_vars": dict(JOB_ENV if env_vars is None else env_vars)}}
+                    "runtime_env": {"env_vars": {**(JOB_ENV if env_vars is None else env_vars), **_cache_env()}}}
     if address:
         ray.init(address=address, **kwargs)
     else:
@@ -220,7 +228,7 @@ def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequen
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         failure_config=FailureConfig(max_failures=cfg.run.max_failures),
         callbacks=list(callbacks),
-        worker_runtime_env={"env_vars": {**_RAY_ENV, **_TRAIN_WORKER_ENV}})
+        worker_runtime_env={"env_vars": {**_RAY_ENV, **_TRAIN_WORKER_ENV, **_cache_env()}})
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job.to_dict(),

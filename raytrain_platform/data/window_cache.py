@@ -1,0 +1,170 @@
+"""Tokenized windows kept on disk: a tokenized source (jsonl, text with a tokenizer) is
+tokenized and packed once, and later reads of the same piece and split memory-map the
+windows instead of tokenizing them again.
+
+An entry is a folder holding one raw file per array (``tokens`` int32 and ``loss_mask``
+uint8, ``(rows, seq_len)``; ``sample_id`` int64, ``(rows,)``) and ``meta.json``, its
+key and row count. It is written under a temporary name, synced, and renamed into place
+when complete, so a reader sees a whole entry or none; a writer stopped early (a run
+that ends mid-epoch, a bad record, a full disk) removes what it wrote, and the folder
+of one killed outright is swept a day later by the next writer. One process writes an
+entry at a time (a lock file beside it; the others read on without writing). A reader
+checks the key and every file's size against the row count before it trusts an entry,
+and anything missing, foreign or cut short reads as no entry: the piece is tokenized
+again. The key (built by `jsonl._TokenCache`) holds everything the windows depend on:
+the files' identity, the tokenizer's files, the spec, the library versions and the
+code (this module's too).
+
+numpy only: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+__all__ = ["FORMAT", "DTYPES", "read", "Writer", "tee", "slices"]
+
+FORMAT = 1  # part of every key: a change of layout never reads an old entry
+DTYPES: dict[str, np.dtype] = {"tokens": np.dtype(np.int32), "loss_mask": np.dtype(np.uint8),
+                                "sample_id": np.dtype(np.int64)}
+_META = "meta.json"
+_STALE_S = 24 * 3600  # a temporary folder untouched this long was left by a killed writer
+
+
+def _shape(name: str, rows: int, seq_len: int) -> tuple[int, ...]:
+    return (rows,) if name == "sample_id" else (rows, seq_len)
+
+
+def read(folder: Path, key: dict, seq_len: int) -> dict[str, np.ndarray] | None:
+    """The entry's arrays (memory-mapped), or None: no entry at `folder`, another key,
+    or a file missing or of the wrong size."""
+    try:
+        meta = json.loads((folder / _META).read_text())
+        rows = meta["rows"]
+        if meta["key"] != key or type(rows) is not int or rows < 0:
+            return None
+        out: dict[str, np.ndarray] = {}
+        for name, dtype in DTYPES.items():
+            path, shape = folder / f"{name}.bin", _shape(name, rows, seq_len)
+            if path.stat().st_size != int(np.prod(shape)) * dtype.itemsize:
+                return None
+            out[name] = np.memmap(path, dtype=dtype, mode="r", shape=shape) if rows else np.zeros(shape, dtype)
+        return out
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def slices(arrays: dict[str, np.ndarray], rows: int) -> Iterator[dict[str, np.ndarray]]:
+    """`arrays` `rows` windows at a time (the last chunk may hold fewer), each chunk a
+    copy in memory (a Ray block or a tensor must not point into the mapped file)."""
+    n = len(arrays["sample_id"])
+    for start in range(0, n, rows):
+        yield {k: np.array(v[start:start + rows]) for k, v in arrays.items()}
+
+
+def _sweep(parent: Path) -> None:
+    """Remove temporary folders whose files all are older than `_STALE_S` (a writer
+    killed outright, which never ran its `abort`)."""
+    cutoff = time.time() - _STALE_S
+    for tmp in parent.glob("*.tmp"):
+        try:
+            if all(p.stat().st_mtime < cutoff for p in [tmp, *tmp.iterdir()]):
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            continue
+
+
+class Writer:
+    """One entry being written: `add` chunks in order, then `commit` (or `abort`).
+    Raises OSError when the folder cannot be made or written, and BlockingIOError
+    when another process is writing the same entry."""
+
+    def __init__(self, folder: Path, key: dict, seq_len: int):
+        self.folder, self.key, self.seq_len, self.rows = folder, key, seq_len, 0
+        self.tmp = folder.with_name(f"{folder.name}.{uuid.uuid4().hex}.tmp")
+        self.files: dict = {}
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        self.lock = open(folder.with_name(f"{folder.name}.lock"), "a")
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: another writer
+            _sweep(folder.parent)
+            self.tmp.mkdir()
+            self.files = {name: open(self.tmp / f"{name}.bin", "wb") for name in DTYPES}
+        except BaseException:
+            self.abort()
+            raise
+
+    def add(self, chunk: dict[str, np.ndarray]) -> None:
+        n = len(chunk["sample_id"])
+        for name, dtype in DTYPES.items():
+            array = np.ascontiguousarray(chunk[name], dtype=dtype)
+            if array.shape != _shape(name, n, self.seq_len):
+                raise ValueError(f"{name}: shape {array.shape}, expected {_shape(name, n, self.seq_len)}")
+            self.files[name].write(array.tobytes())
+        self.rows += n
+
+    def commit(self) -> None:
+        """Put the entry in place. A whole entry of the same key already there (another
+        process's: the same windows) is kept; a broken one is replaced. A failure leaves
+        no new entry."""
+        try:
+            for f in self.files.values():
+                f.flush()
+                os.fsync(f.fileno())  # the data on disk before the meta that vouches for it
+                f.close()
+            with open(self.tmp / _META, "w") as f:
+                f.write(json.dumps({"key": self.key, "rows": self.rows, "seq_len": self.seq_len}))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.rename(self.tmp, self.folder)
+            except OSError:  # the folder exists (a non-empty folder is never replaced)
+                if read(self.folder, self.key, self.seq_len) is not None:
+                    raise
+                shutil.rmtree(self.folder, ignore_errors=True)
+                os.rename(self.tmp, self.folder)
+        except OSError:
+            self.abort()
+        self.lock.close()  # releases the lock
+
+    def abort(self) -> None:
+        for f in self.files.values():
+            try:
+                f.close()
+            except OSError:
+                pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.lock.close()
+
+
+def tee(chunks: Iterable[dict[str, np.ndarray]],
+        make_writer: Callable[[], Writer | None]) -> Iterator[dict[str, np.ndarray]]:
+    """`chunks`, each also written to the entry `make_writer()` opens once they are
+    first read (None: no entry): committed when they are all read, dropped when the
+    reader stops early or they raise. A write that fails stops the writing, never the
+    reading."""
+    writer = make_writer()
+    try:
+        for chunk in chunks:
+            if writer is not None:
+                try:
+                    writer.add(chunk)
+                except (OSError, ValueError):
+                    writer.abort()
+                    writer = None
+            yield chunk
+    except BaseException:  # GeneratorExit (the reader stopped), a bad record
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.commit()
