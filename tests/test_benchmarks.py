@@ -105,6 +105,20 @@ def test_counted_logits_smoke(tmp_path):
     assert got["saved_bytes"]["counted"] < got["saved_bytes"]["all"], got
 
 
+@pytest.mark.extended  # two 2-worker Ray Train runs, tiny: ~1.5 min
+def test_window_cache_smoke(tmp_path):
+    """The fine-tune through Ray with the kept windows and without them, one pair: both
+    sides train and are timed; they read the same windows, so their losses are equal."""
+    out = _run(["benchmarks/window_cache.py", "--smoke", "--out", str(tmp_path / "w.json")])
+    assert "ratio_kept_over_tokenized" in out
+    result = json.loads((tmp_path / "w.json").read_text())
+    assert result["pairs"] == 1 and len(result["pair_ratios"]) == 1, result
+    for side in ("kept", "tokenized"):
+        (run,) = result["runs"][side]
+        assert run["tokens_per_s"] > 0 and 0 <= run["data_wait_frac"] <= 1, result
+    assert result["loss_max_abs_diff"] < 1e-4, result  # the same windows, the same steps
+
+
 @pytest.mark.extended  # a benchmark's whole pipeline (Ray, torchrun and accelerate launch): ~1.5 min
 def test_vs_accelerate_smoke(tmp_path):
     """The fine-tune through the platform (Ray Train; the torchrun core) and as a plain

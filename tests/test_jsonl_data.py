@@ -478,7 +478,8 @@ def test_text_groups_windows_are_kept_per_group_and_split(tiny, tmp_path, monkey
     assert len(_entries(tmp_path / "cache")) == 6
     _tokenizing_fails(monkeypatch)
     for (g, split), ref in reference.items():
-        assert _same(_piece(spec, split, index=g, piece=groups[g], text=True, rows=5)[0], ref), (g, split)
+        got, chunks = _piece(spec, split, index=g, piece=groups[g], text=True, rows=5)
+        assert _same(got, ref) and [len(c["sample_id"]) for c in chunks[:-1]] == [5] * (len(chunks) - 1), (g, split)
 
 
 def test_windows_are_read_only_for_the_same_files_tokenizer_and_spec(tiny, tmp_path, monkeypatch):
@@ -501,6 +502,12 @@ def test_windows_are_read_only_for_the_same_files_tokenizer_and_spec(tiny, tmp_p
     with pytest.raises(AssertionError, match="tokenized again"):
         _piece(spec, "train")
     shutil.copytree(tiny["tokenizer"], tok_dir, dirs_exist_ok=True)
+    cache_of = jsonl._TokenCache.open(spec)  # the format and every field name are in the key
+    others = [spec, *(spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), **kw) for kw in (
+        {"format": "text"}, {"text_field": "body"}, {"prompt_field": "q"}, {"completion_field": "a"},
+        {"messages_field": "turns"}))]
+    assert len({cache_of._windows_entry([str(data)], jsonl._file_key(0, o), "train", SEQ_LEN)[0]
+                for o in others}) == len(others)
     with data.open("a") as f:  # one more record: another size and time
         f.write(data.read_text().splitlines()[0] + "\n")
     with pytest.raises(AssertionError, match="tokenized again"):
@@ -608,6 +615,9 @@ def test_one_writer_per_entry_a_whole_entry_kept_and_stale_leftovers_swept(tiny,
     day_ago = time.time() - 25 * 3600
     for path in (old / "tokens.bin", old):
         os.utime(path, (day_ago, day_ago))
+    cache.window_writer(piece, key, "val", SEQ_LEN).abort()
+    assert old.exists()  # a folder is swept once per process: this one was, at the first writer
+    monkeypatch.setattr(window_cache, "_swept", set())  # as a new process
     cache.window_writer(piece, key, "val", SEQ_LEN).abort()
     assert not old.exists() and recent.exists()
 

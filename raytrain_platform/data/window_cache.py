@@ -71,9 +71,15 @@ def slices(arrays: dict[str, np.ndarray], rows: int) -> Iterator[dict[str, np.nd
         yield {k: np.array(v[start:start + rows]) for k, v in arrays.items()}
 
 
+_swept: set[Path] = set()  # once per process and folder: a count pass opens a writer per piece
+
+
 def _sweep(parent: Path) -> None:
     """Remove temporary folders whose files all are older than `_STALE_S` (a writer
-    killed outright, which never ran its `abort`)."""
+    killed outright, which never ran its `abort`), once per process."""
+    if parent in _swept:
+        return
+    _swept.add(parent)
     cutoff = time.time() - _STALE_S
     for tmp in parent.glob("*.tmp"):
         try:
