@@ -718,3 +718,17 @@ def test_spec_rejects_bad_values(tiny):
         spec_for(tiny, "text", format="csv")
     with pytest.raises(ConfigError, match="data.seq_len"):
         spec_for(tiny, "text", seq_len=1)
+
+
+def test_the_jobs_processes_get_the_drivers_cache_folder(monkeypatch, tmp_path):
+    """RTP_CACHE_DIR goes to the job's Ray processes absolute (they start in another
+    folder), empty stays empty (no cache), unset stays unset (their own default)."""
+    from raytrain_platform.launch.trainer import _cache_env
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RTP_CACHE_DIR", "relative/cache")
+    assert _cache_env() == {"RTP_CACHE_DIR": str(tmp_path / "relative" / "cache")}
+    monkeypatch.setenv("RTP_CACHE_DIR", "")
+    assert _cache_env() == {"RTP_CACHE_DIR": ""}
+    monkeypatch.delenv("RTP_CACHE_DIR")
+    assert _cache_env() == {}

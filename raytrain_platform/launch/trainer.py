@@ -88,11 +88,13 @@ JOB_ENV = dict(_RAY_ENV)  # every process of the job
 
 
 def _cache_env() -> dict[str, str]:
-    """The driver's token cache folder (`data/jsonl.py`, ``RTP_CACHE_DIR``) for the job's
-    processes, where it set one: read tasks find the windows its count pass kept."""
+    """The driver's token cache folder (`data/jsonl.py`, ``RTP_CACHE_DIR``; absolute, as
+    Ray's processes start elsewhere; empty: none) for the job's processes, where it set
+    one: read tasks find the windows its count pass kept."""
     from raytrain_platform.data.jsonl import CACHE_ENV
 
-    return {CACHE_ENV: os.environ[CACHE_ENV]} if CACHE_ENV in os.environ else {}
+    value = os.environ.get(CACHE_ENV)
+    return {} if value is None else {CACHE_ENV: os.path.abspath(value) if value else ""}
 
 
 def init_ray(address: str | None, verbose: bool, *, env_vars: dict[str, str] | None = None) -> None:
