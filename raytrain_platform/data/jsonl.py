@@ -45,7 +45,7 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -528,8 +528,8 @@ def _code_fingerprint() -> str:
     tokens, splits and kept windows."""
     from raytrain_platform.data import sources
 
-    return hashlib.sha256(b"".join(Path(str(m.__file__)).read_bytes() for m in (sys.modules[__name__], sources,
-                                                                          window_cache))).hexdigest()
+    modules = (sys.modules[__name__], sources, window_cache)
+    return hashlib.sha256(b"".join(Path(str(m.__file__)).read_bytes() for m in modules)).hexdigest()
 
 
 @functools.lru_cache(maxsize=8)
@@ -550,6 +550,10 @@ class _TokenCache:
 
     root: Path
     shared: dict
+    # Each file's stamp, taken once per cache object (a count pass, a piece's read): a
+    # count's sums and both splits' windows are keyed by one look at the file (one stat,
+    # or one request for a URI), the look taken before its tokens are read.
+    stamps: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def open(cls, spec: JsonlSpec) -> "_TokenCache | None":
@@ -582,7 +586,10 @@ class _TokenCache:
 
     def _key(self, paths: Iterable[str], key: dict) -> dict | None:
         """The whole key of an entry (as JSON gives it back), None if a file has no stamp."""
-        stamps = [self._stamp(p) for p in paths]
+        for p in paths:
+            if p not in self.stamps:
+                self.stamps[p] = self._stamp(p)
+        stamps = [self.stamps[p] for p in paths]
         if any(stamp is None for stamp in stamps):
             return None
         return json.loads(json.dumps({**self.shared, **key, "files": stamps}))
