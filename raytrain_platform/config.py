@@ -137,9 +137,13 @@ class DataConfig:
     # ($RTP_CACHE_DIR, ~5 bytes per token), so that a piece is tokenized once, not by
     # the driver's count and again by every read of it (data/window_cache.py)
     window_cache: bool = True
+    # text/jsonl through a tokenizer: processes the driver's count pass tokenizes with
+    # (data/pool.py): auto = 1 below 16 MB to tokenize, else one per core
+    tokenize_processes: Union[int, str] = "auto"
 
     _ALLOWED: ClassVar[dict[str, str]] = {
-        "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)"}
+        "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)",
+        "tokenize_processes": "an integer >= 1, or 'auto' (one per core for 16 MB or more to tokenize)"}
 
     _SOURCES: ClassVar[tuple[str, ...]] = ("parquet", "synthetic", "text", "jsonl")
     _FORMATS: ClassVar[tuple[str, ...]] = ("text", "prompt_completion", "chat")  # data/jsonl.py
@@ -160,6 +164,9 @@ class DataConfig:
                "a .jsonl file, a folder of them or a URI when data.source is jsonl")
         _check(self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
                "data.batch_size", self.batch_size, self._ALLOWED["batch_size"])
+        _check(self.tokenize_processes == "auto" or (type(self.tokenize_processes) is int
+                                                     and self.tokenize_processes >= 1),
+               "data.tokenize_processes", self.tokenize_processes, self._ALLOWED["tokenize_processes"])
         _check(self.source != "parquet" or bool(self.path), "data.path", self.path,
                "a folder or URI of Parquet files when data.source is parquet")
         _check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction,

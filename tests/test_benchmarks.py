@@ -105,6 +105,18 @@ def test_counted_logits_smoke(tmp_path):
     assert got["saved_bytes"]["counted"] < got["saved_bytes"]["all"], got
 
 
+def test_count_pass_smoke(tmp_path):
+    """The count pass batched in one process and on 2 worker processes,
+    small files (~15 s): the benchmark itself checks that every side keeps the same
+    counts and windows, bit for bit."""
+    _run(["benchmarks/count_pass.py", "--smoke", "--processes", "2", "--out", str(tmp_path / "c.json")])
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert set(result["formats"]) == {"chat", "prompt_completion", "text"}, result
+    for fmt, r in result["formats"].items():
+        assert set(r["runs"]) == {"batched", "2_processes"}, (fmt, r)
+        assert r["windows"][0] > 0 and all(len(runs) == 1 for runs in r["runs"].values()), (fmt, r)
+
+
 @pytest.mark.extended  # two 2-worker Ray Train runs, tiny: ~1.5 min
 def test_window_cache_smoke(tmp_path):
     """The fine-tune through Ray with the kept windows and without them, one pair: both

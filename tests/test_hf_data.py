@@ -358,6 +358,30 @@ def test_ray_data_streams_each_chunk_as_its_own_block(ray_cluster, tiny, tmp_pat
 
 
 @pytest.mark.ray
+def test_a_ray_actor_counts_in_its_own_process(ray_cluster):
+    """`data.tokenize_processes: auto` starts no worker processes inside a Ray actor (a
+    sweep's trial that counts its data again): Ray gave the actor its CPUs. The driver
+    would, for as much data."""
+    import ray
+
+    from raytrain_platform.data import pool
+
+    if pool.usable_cores() < 2:
+        pytest.skip("one core: the driver would count in its own process too")
+
+    @ray.remote(num_cpus=0)
+    class Counter:
+        def processes(self, todo: int) -> int:
+            return pool.count_processes("auto", todo)
+
+    actor = Counter.remote()
+    lots = 64 * pool.PARALLEL_MIN_BYTES
+    assert ray.get(actor.processes.remote(lots)) == 1
+    assert pool.count_processes("auto", lots) == min(pool.usable_cores(), 64 * pool.PARALLEL_MIN_BYTES // pool.BLOCK_BYTES)
+    ray.kill(actor)
+
+
+@pytest.mark.ray
 @pytest.mark.timeout(420)
 def test_two_ddp_workers_on_chat_shard_disjointly_and_match_one_process(ray_cluster, tiny, tmp_path):
     """2 DDP workers x 4 on chat JSONL: each step's two micro-batches are disjoint and

@@ -732,3 +732,120 @@ def test_the_jobs_processes_get_the_drivers_cache_folder(monkeypatch, tmp_path):
     assert _cache_env() == {"RTP_CACHE_DIR": ""}
     monkeypatch.delenv("RTP_CACHE_DIR")
     assert _cache_env() == {}
+
+
+# ---------------------------------------------------------------- tokenizing in batches, on several processes
+
+
+@pytest.mark.parametrize("fmt", ["text", "prompt_completion", "chat"])
+def test_documents_tokenized_together_get_each_their_own_tokens(tiny, tok, monkeypatch, fmt):
+    """The tokenizer is called for many documents at once (`ENCODE_BATCH`, `ENCODE_CHARS`):
+    each gets the ids and mask it gets alone (`encode_record`), in line order, with its
+    split, at any batch size."""
+    from raytrain_platform.data import jsonl
+
+    spec = spec_for(tiny, fmt)
+    rows = records(tiny[fmt])
+    is_val = split_mask(np.arange(len(rows), dtype=np.int64), spec.val_fraction, "val").tolist()
+    alone = [(v, *encode_record(tok, r, spec)) for v, r in zip(is_val, rows)]
+    for batch, chars in ((64, 1 << 20), (7, 1 << 20), (64, 500), (1, 1 << 20)):
+        monkeypatch.setattr(jsonl, "ENCODE_BATCH", batch)
+        monkeypatch.setattr(jsonl, "ENCODE_CHARS", chars)
+        assert list(jsonl._documents(0, str(tiny[fmt]), spec)) == alone, (batch, chars)
+        assert list(jsonl._documents(0, str(tiny[fmt]), spec, ("val",))) == [d for d in alone if d[0]]
+
+
+def test_text_files_tokenized_together_get_each_their_own_tokens(tiny, tok, tmp_path, monkeypatch):
+    """A text group's files are tokenized several at a time: each file one document, with
+    the ids it gets alone."""
+    from raytrain_platform.data import jsonl
+
+    texts = [r["text"] for r in records(tiny["text"])[:40]]
+    for i, text in enumerate(texts):
+        write(tmp_path / f"{i:03d}.txt", [text])
+    paths = tuple(str(p) for p in sorted(tmp_path.iterdir()))
+    alone = [jsonl._text_docs(tok, [t + "\n"])[0] for t in texts]
+    for batch, chars in ((64, 1 << 20), (64, 300), (1, 1 << 20)):
+        monkeypatch.setattr(jsonl, "ENCODE_BATCH", batch)
+        monkeypatch.setattr(jsonl, "ENCODE_CHARS", chars)
+        assert list(jsonl._group_documents(paths, spec_for(tiny, "text", path=str(tmp_path)))) == alone
+
+
+def test_a_conversation_the_template_cannot_render_is_named_by_its_line(tiny, tmp_path, monkeypatch):
+    from raytrain_platform.data import jsonl
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tiny["tokenizer"], tok_dir)
+    template = tok_dir / "chat_template.jinja"
+    template.write_text("{% for m in messages %}{% if 'FORBIDDEN' in m['content'] %}"
+                        "{{ raise_exception('no FORBIDDEN here') }}{% endif %}{% endfor %}" + template.read_text())
+    lines = tiny["chat"].read_text().splitlines()
+    lines[69] = lines[69].replace('"content": "', '"content": "FORBIDDEN ', 1)
+    path = write(tmp_path / "chat.jsonl", lines)
+    spec = spec_for(tiny, "chat", path=path, tokenizer=str(tok_dir))
+    monkeypatch.setattr(jsonl, "ENCODE_BATCH", 16)  # the 70th line is in the 5th batch
+    with pytest.raises(DataError, match="chat template cannot render.*no FORBIDDEN here") as exc:
+        jsonl_windows(0, path, spec, "train" if split_mask(np.array([69]), 0.2, "train")[0] else "val")
+    assert one_line(exc).startswith(f"{path}:70: ")
+
+
+def test_the_count_on_worker_processes_gives_the_same_sums_and_windows(tiny, tmp_path, monkeypatch):
+    """data.tokenize_processes 2: the count hands the files' blocks of lines (and the
+    text groups) to two worker processes and packs what they give back in order: the
+    same counts and kept windows as tokenized here, without this process tokenizing; a
+    bad line in a later block is named by its file and line."""
+    import dataclasses
+
+    from raytrain_platform.data import jsonl, pool
+
+    monkeypatch.setattr(pool, "BLOCK_BYTES", 2048)  # the chat file: some 30 blocks
+    folder = tmp_path / "text"
+    for i in range(3):
+        write(folder / f"{i}.txt", [json.loads(line)["text"] for line in tiny["text"].read_text().splitlines()[i::3]])
+    groups = jsonl.text_groups([(str(p), p.stat().st_size) for p in sorted(folder.iterdir())], group_bytes=1)
+    chat, text = spec_for(tiny, "chat"), spec_for(tiny, "text", path=str(folder))
+    monkeypatch.setenv("RTP_CACHE_DIR", "")
+    reference = {("chat", s): _piece(chat, s)[0] for s in ("train", "val")}
+    reference.update({(g, s): _piece(text, s, index=g, piece=paths, text=True)[0]
+                      for g, paths in enumerate(groups) for s in ("train", "val")})
+    counts = count_windows(chat), jsonl.count_text_windows(groups, text)
+
+    monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
+    _tokenizing_fails(monkeypatch)  # here; the workers start with the real code
+    on_two = [dataclasses.replace(s, tokenize_processes=2) for s in (chat, text)]
+    assert (count_windows(on_two[0]), jsonl.count_text_windows(groups, on_two[1])) == counts
+    assert len(_entries(tmp_path / "cache")) == 2 + 6
+    for (which, split), ref in reference.items():  # kept whole, in order: read back, not tokenized
+        got = (_piece(chat, split)[0] if which == "chat" else
+               _piece(text, split, index=which, piece=groups[which], text=True)[0])
+        assert _same(got, ref), (which, split)
+    assert (count_windows(chat), jsonl.count_text_windows(groups, text)) == counts  # sums held
+
+    lines = tiny["chat"].read_text().splitlines()
+    lines[250] = "{not json"
+    bad = write(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(DataError, match="not valid JSON") as exc:
+        count_windows(dataclasses.replace(on_two[0], path=bad))
+    assert one_line(exc).startswith(f"{bad}:251: ")
+    assert len(_entries(tmp_path / "cache")) == 8  # nothing kept of the bad file
+
+
+def test_the_pool_keeps_order_raises_task_errors_and_names_a_dead_worker(monkeypatch):
+    from raytrain_platform.data import pool
+
+    assert list(pool.ordered_map(abs, ((i, -i) for i in range(25)), 2)) == [(i, i) for i in range(25)]
+    with pytest.raises(ValueError, match="invalid literal"):
+        list(pool.ordered_map(int, [(0, "1"), (1, "x"), (2, "3")], 2))
+    with pytest.raises(DataError, match="a tokenizing process stopped.*data.tokenize_processes") as exc:
+        list(pool.ordered_map(os._exit, [(0, 3)], 2))
+    one_line(exc)
+    assert pool.count_processes("auto", pool.PARALLEL_MIN_BYTES - 1) == 1
+    assert pool.count_processes("auto", 3 * pool.BLOCK_BYTES + pool.PARALLEL_MIN_BYTES) >= 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: the node's ranks share the cores
+    assert pool.usable_cores() == 4
+    assert pool.count_processes("auto", pool.PARALLEL_MIN_BYTES) == 4
+    assert pool.count_processes("auto", 100 * pool.PARALLEL_MIN_BYTES) == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert pool.count_processes("auto", 17 * pool.BLOCK_BYTES) == 8
+    assert pool.count_processes(3, 0) == 3

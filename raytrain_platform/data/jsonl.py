@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from raytrain_platform.data import window_cache
+from raytrain_platform.data import pool, window_cache
 from raytrain_platform.data.sources import split_mask
 from raytrain_platform.errors import ConfigError, DataError
 
@@ -69,7 +69,6 @@ __all__ = [
     "stream_jsonl_windows",
     "jsonl_windows",
     "iter_windows",
-    "count_file_windows",
     "CountProgress",
     "CACHE_ENV",
     "cache_dir",
@@ -101,6 +100,7 @@ class JsonlSpec:
     completion_field: str = "completion"
     messages_field: str = "messages"
     window_cache: bool = True  # keep packed windows in the token cache (`_TokenCache`)
+    tokenize_processes: int | str = "auto"  # the count pass's (`pool.count_processes`)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -151,15 +151,41 @@ def jsonl_files(spec: JsonlSpec) -> list[str]:
     return [base + f[len(root):] for f in found]
 
 
-def _read_records(path: str, spec: JsonlSpec) -> Iterator[tuple[int, dict]]:
-    """(0-based line index, record) for each non-blank line, each checked for `spec.format`."""
+def _file_bytes(path: str) -> bytes:
     fs, local = _filesystem(path)
     try:
         with fs.open_input_stream(local) as f:
-            data = f.read()
+            return f.read()
     except OSError as exc:
         raise DataError(f"{path}: cannot be read ({exc})") from None
-    for index, raw in enumerate(data.split(b"\n")):
+
+
+def _line_blocks(data: bytes, block_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(index of its first line, bytes) of consecutive blocks of whole lines, each about
+    `block_bytes` long (one, empty, for no data).
+
+    >>> list(_line_blocks(b"a\\nbb\\n\\nc", 3))
+    [(0, b'a\\nbb\\n'), (2, b'\\nc')]
+    >>> list(_line_blocks(b"a\\nbb\\n", 1))
+    [(0, b'a\\n'), (1, b'bb\\n')]
+    >>> list(_line_blocks(b"", 2))
+    [(0, b'')]
+    """
+    start = line = 0
+    while True:
+        cut = data.find(b"\n", start + block_bytes - 1)
+        end = len(data) if cut < 0 else cut + 1
+        yield line, data[start:end]
+        if end >= len(data):
+            return
+        line += data.count(b"\n", start, end)
+        start = end
+
+
+def _records(path: str, data: bytes, spec: JsonlSpec, first_line: int = 0) -> Iterator[tuple[int, dict, int]]:
+    """(0-based line index, record, its bytes) for each non-blank line of `data` (the
+    lines of `path` from `first_line` on), each checked for `spec.format`."""
+    for index, raw in enumerate(data.split(b"\n"), first_line):
         if not raw.strip():
             continue
         try:
@@ -172,7 +198,7 @@ def _read_records(path: str, spec: JsonlSpec) -> Iterator[tuple[int, dict]]:
             _check_record(record, spec)
         except DataError as exc:
             raise DataError(f"{path}:{index + 1}: {exc}") from None
-        yield index, record
+        yield index, record, len(raw)
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -248,8 +274,15 @@ def _check_record(record: Any, spec: JsonlSpec) -> None:
             raise DataError(f"expected a string field {name!r} (data.format {spec.format}), got {got}")
 
 
-def _ids(tok: Any, text: str) -> list[int]:
-    return tok(text, add_special_tokens=False)["input_ids"]
+# Documents handed to the tokenizer in one call (at most; and about `ENCODE_CHARS` of
+# text): its per-call cost is paid once for them, and a fast tokenizer spreads them over
+# its threads. Each call still gives every document the ids it gives that document alone.
+ENCODE_BATCH = 64
+ENCODE_CHARS = 1 << 20
+
+
+def _ids(tok: Any, texts: list[str]) -> list[list[int]]:
+    return list(tok(texts, add_special_tokens=False)["input_ids"]) if texts else []
 
 
 def _bos(tok: Any) -> list[int]:
@@ -283,35 +316,73 @@ def _assistant_spans(tok: Any, messages: list[dict], full: str) -> list[tuple[in
     return spans
 
 
-def _encode_chat(tok: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
-    full = _render(tok, messages)
-    spans = _assistant_spans(tok, messages, full)
-    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-    starts = np.array([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-    inside = np.zeros(starts.shape, dtype=bool)
-    for lo, hi in spans:
-        inside |= (starts >= lo) & (starts < hi)
-    # The chat template already closes each assistant turn, so EOS is not a target.
-    return list(enc["input_ids"]) + [tok.eos_token_id], inside.astype(int).tolist() + [0]
+def _encode_chats(tok: Any, conversations: list[list[dict]],
+                  where: Callable[[int], str]) -> list[tuple[list[int], list[int]]]:
+    rendered = []
+    for i, messages in enumerate(conversations):
+        try:
+            full = _render(tok, messages)
+            rendered.append((full, _assistant_spans(tok, messages, full)))
+        except DataError as exc:
+            raise DataError(f"{where(i)}{exc}") from None
+    if not rendered:
+        return []
+    enc = tok([full for full, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+    docs = []
+    for (_, spans), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
+        starts = np.array([s for s, _ in offsets], dtype=np.int64)
+        inside = np.zeros(starts.shape, dtype=bool)
+        for lo, hi in spans:
+            inside |= (starts >= lo) & (starts < hi)
+        # The chat template already closes each assistant turn, so EOS is not a target.
+        docs.append((list(ids) + [tok.eos_token_id], inside.astype(int).tolist() + [0]))
+    return docs
 
 
-def _encode_text(tok: Any, text: str) -> tuple[list[int], list[int]]:
-    bos, ids = _bos(tok), _ids(tok, text)
-    return bos + ids + [tok.eos_token_id], [0] * len(bos) + [1] * (len(ids) + 1)
+def _text_docs(tok: Any, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+    bos, eos = _bos(tok), tok.eos_token_id
+    return [(bos + ids + [eos], [0] * len(bos) + [1] * (len(ids) + 1)) for ids in _ids(tok, texts)]
+
+
+def _encode(tok: Any, records: list[dict], spec: JsonlSpec,
+            where: Callable[[int], str] = lambda i: "") -> list[tuple[list[int], list[int]]]:
+    """Token ids (ending with EOS) and loss mask (1 = trained on) of each checked
+    record, the tokenizer called once for them all. A conversation the chat template
+    cannot render raises DataError, its message prefixed by ``where(its index)``."""
+    if spec.format == "text":
+        return _text_docs(tok, [r[spec.text_field] for r in records])
+    if spec.format == "prompt_completion":
+        bos, eos, n = _bos(tok), tok.eos_token_id, len(records)
+        ids = _ids(tok, [r[spec.prompt_field] for r in records] + [r[spec.completion_field] for r in records])
+        return [(bos + prompt + completion + [eos], [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + 1))
+                for prompt, completion in zip(ids[:n], ids[n:])]
+    return _encode_chats(tok, [r[spec.messages_field] for r in records], where)
 
 
 def encode_record(tok: Any, record: dict, spec: JsonlSpec) -> tuple[list[int], list[int]]:
     """Token ids of one document (ending with EOS) and its loss mask (1 = trained on)."""
     _check_record(record, spec)
-    bos, eos = _bos(tok), tok.eos_token_id
-    if spec.format == "text":
-        return _encode_text(tok, record[spec.text_field])
-    if spec.format == "prompt_completion":
-        prompt = _ids(tok, record[spec.prompt_field])
-        completion = _ids(tok, record[spec.completion_field])
-        return (bos + prompt + completion + [eos],
-                [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + 1))
-    return _encode_chat(tok, record[spec.messages_field])
+    return _encode(tok, [record], spec)[0]
+
+
+def _batches(items: Iterator[Any], chars: Callable[[Any], int]) -> Iterator[list[Any]]:
+    """`items` in lists of at most `ENCODE_BATCH`, a list closed once its `chars`
+    reach `ENCODE_CHARS`.
+
+    >>> [len(b) for b in _batches(iter(range(150)), lambda i: 1)]
+    [64, 64, 22]
+    >>> [len(b) for b in _batches(iter(range(3)), lambda i: ENCODE_CHARS)]
+    [1, 1, 1]
+    """
+    batch, size = [], 0
+    for item in items:
+        batch.append(item)
+        size += chars(item)
+        if len(batch) == ENCODE_BATCH or size >= ENCODE_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 # ---------------------------------------------------------------- windows
@@ -335,22 +406,21 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split must be 'train' or 'val', not {split!r}")
 
 
-def _documents(file_index: int, path: str, spec: JsonlSpec,
-               splits: tuple[str, ...] = ("train", "val")) -> Iterator[tuple[bool, list[int], list[int]]]:
+def _documents(file_index: int, path: str, spec: JsonlSpec, splits: tuple[str, ...] = ("train", "val"), *,
+               lines: tuple[int, bytes] | None = None) -> Iterator[tuple[bool, list[int], list[int]]]:
     """(in val, token ids, loss mask) of each record of the file in `splits`, in line
-    order; the other records are checked, not tokenized. A record goes to val by a hash
+    order (with `lines`, (index of its first line, bytes of whole lines): of those lines
+    only); the other records are checked, not tokenized. A record goes to val by a hash
     of ``(file_index << 32) | line_index``, before packing, so no window mixes the splits."""
     tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
-    for index, record in _read_records(path, spec):
-        line_id = np.array([(file_index << 32) | index], dtype=np.int64)
-        is_val = bool(split_mask(line_id, spec.val_fraction, "val")[0])
-        if ("val" if is_val else "train") not in splits:
-            continue
-        try:
-            ids, mask = encode_record(tok, record, spec)
-        except DataError as exc:
-            raise DataError(f"{path}:{index + 1}: {exc}") from None
-        yield is_val, ids, mask
+    first, data = lines if lines is not None else (0, _file_bytes(path))
+    for batch in _batches(_records(path, data, spec, first), lambda item: item[2]):
+        line_ids = (np.int64(file_index) << np.int64(32)) | np.array([i for i, _, _ in batch], dtype=np.int64)
+        is_val = split_mask(line_ids, spec.val_fraction, "val").tolist()
+        keep = [(v, i, r) for v, (i, r, _) in zip(is_val, batch) if ("val" if v else "train") in splits]
+        docs = _encode(tok, [r for _, _, r in keep], spec, where=lambda k: f"{path}:{keep[k][1] + 1}: ")
+        for (v, _, _), (ids, mask) in zip(keep, docs):
+            yield v, ids, mask
 
 
 class _Packer:
@@ -375,8 +445,8 @@ class _Packer:
     def _joined(self) -> tuple[np.ndarray, np.ndarray]:
         return np.concatenate([i for i, _ in self.pending]), np.concatenate([m for _, m in self.pending])
 
-    def add(self, doc_ids: list[int], doc_mask: list[int]) -> list[dict[str, np.ndarray]]:
-        """The chunks this document completes (often none)."""
+    def add(self, doc_ids: list[int] | np.ndarray, doc_mask: list[int] | np.ndarray) -> list[dict[str, np.ndarray]]:
+        """The chunks this document (or several, concatenated) completes (often none)."""
         self.pending.append((np.asarray(doc_ids, dtype=np.int32), np.asarray(doc_mask, dtype=np.uint8)))
         self.have += len(doc_ids)
         if self.have < self.chunk:
@@ -464,9 +534,13 @@ class CountProgress:
     def _so_far(self) -> str:
         return f"{self.docs:,} document{'s' * (self.docs != 1)}, {self.tokens:,} tokens"
 
-    def add(self, tokens: int) -> None:
-        """One more document of `tokens` tokens."""
-        self.docs, self.tokens = self.docs + 1, self.tokens + tokens
+    def note(self, line: str) -> None:
+        """Says `line` now (how the pass tokenizes)."""
+        self._print(line)
+
+    def add(self, tokens: int, docs: int = 1) -> None:
+        """`docs` more documents, of `tokens` tokens in all."""
+        self.docs, self.tokens = self.docs + docs, self.tokens + tokens
         now = time.monotonic()
         if now >= self.next_line:
             self._print(f"tokenizing to count the windows: {self._so_far()} so far "
@@ -598,23 +672,30 @@ class _TokenCache:
     def _name(key: dict) -> str:
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
-    def tokens(self, paths: Iterable[str], key: dict, sums: int,
-               compute: Callable[[], list[int]], *, fresh: bool = False) -> list[int]:
-        """`compute()`, `sums` token sums of the files at `paths`, or the sums it gave
-        before for the same key (not with `fresh`: computed and kept again). A cache
-        that cannot be read or written is no cache."""
+    def _tokens_path(self, paths: Iterable[str], key: dict) -> tuple[Path, dict] | None:
         full = self._key(paths, key)
-        if full is None:
-            return compute()
-        path = self.root / "token-counts" / f"{self._name(full)}.json"
+        return None if full is None else (self.root / "token-counts" / f"{self._name(full)}.json", full)
+
+    def held_tokens(self, paths: Iterable[str], key: dict, sums: int) -> list[int] | None:
+        """The `sums` token sums of the files at `paths` kept for this key, or None (none
+        kept, a broken entry, a cache that cannot be read)."""
+        entry = self._tokens_path(paths, key)
+        if entry is None:
+            return None
         try:
-            tokens = json.loads(path.read_text())["tokens"]
-            if (not fresh and isinstance(tokens, list) and len(tokens) == sums
-                    and all(type(t) is int and t >= 0 for t in tokens)):
-                return tokens
+            tokens = json.loads(entry[0].read_text())["tokens"]
         except (OSError, ValueError, KeyError, TypeError):
-            pass
-        tokens = compute()
+            return None
+        if isinstance(tokens, list) and len(tokens) == sums and all(type(t) is int and t >= 0 for t in tokens):
+            return tokens
+        return None
+
+    def keep_tokens(self, paths: Iterable[str], key: dict, tokens: list[int]) -> None:
+        """Keeps those sums (replacing any); a cache that cannot be written is no cache."""
+        entry = self._tokens_path(paths, key)
+        if entry is None:
+            return
+        path, full = entry
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
@@ -622,7 +703,6 @@ class _TokenCache:
             os.replace(tmp, path)
         except OSError:
             pass
-        return tokens
 
     def _windows_entry(self, paths: Iterable[str], key: dict, split: str,
                        seq_len: int) -> tuple[Path, dict] | None:
@@ -701,50 +781,160 @@ def _first_id(file_index: int, split: str) -> int:
     return (file_index << 32) | (_VAL_BIT if split == "val" else 0)
 
 
-def count_file_windows(file_index: int, path: str, spec: JsonlSpec, progress: CountProgress | None = None,
-                       cache: _TokenCache | None = None) -> tuple[int, int]:
-    """(train, val) windows of one file: tokenizes it once (and keeps its windows in
-    `cache`), or reads back the token sums `cache` holds for it when it also holds its
-    windows (or `data.window_cache` is off)."""
-    key = _file_key(file_index, spec)
+@dataclass(frozen=True)
+class _Piece:
+    """What the count pass tokenizes as one: a .jsonl file (its `index` in the sorted
+    files), or with `text` a group of text files (`text_groups`)."""
 
-    def compute() -> list[int]:
-        tokens = [0, 0]
-        packers = {s: _Packer(spec.seq_len, _first_id(file_index, s), stream_rows(spec.seq_len))
-                   for s in ("train", "val")}
-        out = _CountedWindows(cache if spec.window_cache else None, [path], key, spec)
-        try:
-            for is_val, ids, mask in _documents(file_index, path, spec):
-                tokens[is_val] += len(ids)
-                if progress:
-                    progress.add(len(ids))
-                split = "val" if is_val else "train"
-                if out.wants(split):
-                    out.put(split, packers[split].add(ids, mask))
-            for split, packer in packers.items():
-                if out.wants(split):
-                    out.put(split, packer.end())
-        except BaseException:
-            out.abort()
-            raise
-        out.commit()
-        return tokens
+    index: int
+    paths: tuple[str, ...]
+    text: bool = False
 
-    if cache is None:
-        train, val = compute()
+    def key(self, spec: JsonlSpec) -> dict:
+        """Its windows' key (its token sums': the same, or for a text group none but its files)."""
+        return _group_key(self.index, spec) if self.text else _file_key(self.index, spec)
+
+    def sums_key(self, spec: JsonlSpec) -> dict:
+        return {"text_group": True} if self.text else self.key(spec)
+
+    @property
+    def sums(self) -> int:
+        """Token sums kept: train and val for a file, all for a text group (its windows
+        go to a split by their ids, after packing)."""
+        return 1 if self.text else 2
+
+    def tasks(self, spec: JsonlSpec) -> Iterator[tuple]:
+        """`_tokenize_task`'s tasks, in order: a text group whole (about 1 MB), a file's
+        lines in blocks of about `pool.BLOCK_BYTES` (each file at least one, for its
+        0-row entries)."""
+        if self.text:
+            yield ("text", self.paths, spec)
+            return
+        path = self.paths[0]
+        for first, block in _line_blocks(_file_bytes(path), pool.BLOCK_BYTES):
+            yield ("jsonl", self.index, path, first, block, spec)
+
+
+def _tokenize_task(task: tuple) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """(documents, {split: (token ids int32, loss mask uint8)}) of one task: each
+    split's documents concatenated in order ("train" and "val" for a block of a file,
+    "all" for a text group). Runs in the count pass's worker processes, or in its own."""
+    parts: dict[str, tuple[list[int], list[int]]] = {}
+    docs = 0
+    if task[0] == "text":
+        found: Iterator[tuple[str, list[int], list[int]]] = (
+            ("all", ids, mask) for ids, mask in _group_documents(task[1], task[2]))
     else:
-        train, val = cache.tokens([path], key, 2, compute, fresh=cache.lacks_windows([path], key, spec))
-    return train // spec.seq_len, val // spec.seq_len
+        _, file_index, path, first, block, spec = task
+        found = (("val" if v else "train", ids, mask)
+                 for v, ids, mask in _documents(file_index, path, spec, lines=(first, block)))
+    for split, ids, mask in found:
+        all_ids, all_mask = parts.setdefault(split, ([], []))
+        all_ids += ids
+        all_mask += mask
+        docs += 1
+    return docs, {split: (np.array(ids, dtype=np.int32), np.array(mask, dtype=np.uint8))
+                  for split, (ids, mask) in parts.items()}
+
+
+class _PieceCount:
+    """One piece's tokens as its tasks give them back, in order: its token sums, and
+    its windows packed and written to the token cache (both splits)."""
+
+    def __init__(self, piece: _Piece, spec: JsonlSpec, cache: _TokenCache | None):
+        rows = stream_rows(spec.seq_len)
+        self.out = _CountedWindows(cache if spec.window_cache else None, list(piece.paths), piece.key(spec), spec)
+        self.tokens = [0] * piece.sums
+        self.packers = ({"all": _Packer(spec.seq_len, piece.index << 32, rows)} if piece.text else
+                        {s: _Packer(spec.seq_len, _first_id(piece.index, s), rows) for s in ("train", "val")})
+
+    def _put(self, split: str, chunks: list[dict[str, np.ndarray]]) -> None:
+        if split == "all":
+            self.out.put_by_id(chunks)
+        else:
+            self.out.put(split, chunks)
+
+    def _wants(self, split: str) -> bool:
+        return bool(self.out.writers) if split == "all" else self.out.wants(split)
+
+    def add(self, parts: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
+        """Adds a task's tokens; returns how many."""
+        added = 0
+        for split, (ids, mask) in parts.items():
+            self.tokens[split == "val"] += ids.size
+            added += ids.size
+            if self._wants(split):
+                self._put(split, self.packers[split].add(ids, mask))
+        return added
+
+    def finish(self) -> list[int]:
+        for split, packer in self.packers.items():
+            if self._wants(split):
+                self._put(split, packer.end())
+        self.out.commit()
+        return self.tokens
+
+
+def _count_pieces(pieces: list[_Piece], spec: JsonlSpec, progress: CountProgress) -> list[list[int]]:
+    """Each piece's token sums: read back from the token cache where it holds them (and
+    the piece's windows, or `data.window_cache` is off), else tokenized once, on
+    ``pool.count_processes`` processes, the windows kept as they come."""
+    cache = _TokenCache.open(spec)
+    sums: list[list[int] | None] = [None] * len(pieces)
+    if cache is not None:
+        for i, piece in enumerate(pieces):
+            if not cache.lacks_windows(list(piece.paths), piece.key(spec), spec):
+                sums[i] = cache.held_tokens(piece.paths, piece.sums_key(spec), piece.sums)
+    todo = [i for i, held in enumerate(sums) if held is None]
+    processes = pool.count_processes(spec.tokenize_processes, sum(_size(p) for i in todo for p in pieces[i].paths))
+    if processes > 1:
+        progress.note(f"tokenizing with {processes} processes")
+    tasks = ((i, task) for i in todo for task in pieces[i].tasks(spec))
+    current: tuple[int, _PieceCount] | None = None
+
+    def finish() -> None:
+        assert current is not None
+        i, count = current
+        sums[i] = tokens = count.finish()
+        if cache is not None:
+            cache.keep_tokens(pieces[i].paths, pieces[i].sums_key(spec), tokens)
+
+    try:
+        for i, (docs, parts) in pool.ordered_map(_tokenize_task, tasks, processes):
+            if current is None or current[0] != i:
+                if current is not None:
+                    finish()
+                current = (i, _PieceCount(pieces[i], spec, cache))
+            progress.add(current[1].add(parts), docs)
+        if current is not None:
+            finish()
+    except BaseException:
+        if current is not None:
+            current[1].out.abort()
+        raise
+    assert all(s is not None for s in sums), "every piece yields at least one task"
+    return [s for s in sums if s is not None]
+
+
+def _size(path: str) -> int:
+    """The file's size in bytes (0 where it cannot be found: reading it then says why)."""
+    try:
+        if "://" not in path:
+            return os.path.getsize(path)
+        fs, local = _filesystem(path)
+        return max(0, fs.get_file_info(local).size or 0)
+    except (OSError, DataError):
+        return 0
 
 
 def count_windows(spec: JsonlSpec) -> tuple[int, int]:
     """(train, val) windows over all files; DataError when there is no training window.
     A pass of more than a few seconds reports its progress on stderr."""
-    train = val = 0
-    progress, cache = CountProgress("data.path"), _TokenCache.open(spec)
-    for file_index, path in enumerate(jsonl_files(spec)):
-        t, v = count_file_windows(file_index, path, spec, progress, cache)
-        train, val = train + t, val + v
+    progress = CountProgress("data.path")
+    pieces = [_Piece(i, (path,)) for i, path in enumerate(jsonl_files(spec))]
+    sums = _count_pieces(pieces, spec, progress)
+    train = sum(t // spec.seq_len for t, _ in sums)
+    val = sum(v // spec.seq_len for _, v in sums)
     if train == 0:
         raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = "
                         f"{spec.seq_len - 1} tokens (+1) (too little data, or lower data.seq_len)")
@@ -784,9 +974,14 @@ def text_groups(files: list[tuple[str, int]], group_bytes: int = TEXT_GROUP_BYTE
 def _group_documents(paths: tuple[str, ...], spec: JsonlSpec) -> Iterator[tuple[list[int], list[int]]]:
     """Each file one document (BOS where the tokenizer has one, its text, EOS), in order."""
     tok = load_tokenizer(spec.tokenizer, need_chat_template=False)
-    for path in paths:
-        with open(path, "rb") as f:
-            yield _encode_text(tok, f.read().decode("utf-8", errors="replace"))
+
+    def texts() -> Iterator[str]:
+        for path in paths:
+            with open(path, "rb") as f:
+                yield f.read().decode("utf-8", errors="replace")
+
+    for batch in _batches(texts(), len):
+        yield from _text_docs(tok, batch)
 
 
 def stream_text_group_windows(group_index: int, paths: tuple[str, ...], spec: JsonlSpec, split: str, *,
@@ -818,33 +1013,11 @@ def _group_key(group_index: int, spec: JsonlSpec) -> dict:
 
 def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[int, int]:
     """(train, val) windows over all groups; DataError when there is no training window."""
+    progress = CountProgress("data.path")
+    sums = _count_pieces([_Piece(g, paths, text=True) for g, paths in enumerate(groups)], spec, progress)
     train = val = 0
-    progress, cache = CountProgress("data.path"), _TokenCache.open(spec)
-    for g, paths in enumerate(groups):
-        def compute(g: int = g, paths: tuple[str, ...] = paths) -> list[int]:
-            tokens = 0
-            out = _CountedWindows(cache if spec.window_cache else None, list(paths), _group_key(g, spec), spec)
-            packer = _Packer(spec.seq_len, g << 32, stream_rows(spec.seq_len))
-            try:
-                for ids, mask in _group_documents(paths, spec):
-                    tokens += len(ids)
-                    progress.add(len(ids))
-                    if out.writers:
-                        out.put_by_id(packer.add(ids, mask))
-                if out.writers:
-                    out.put_by_id(packer.end())
-            except BaseException:
-                out.abort()
-                raise
-            out.commit()
-            return [tokens]
-
-        if cache is None:
-            n = compute()[0] // spec.seq_len
-        else:
-            n = cache.tokens(paths, {"text_group": True}, 1, compute,
-                             fresh=cache.lacks_windows(list(paths), _group_key(g, spec), spec))[0] // spec.seq_len
-        ids = (np.int64(g) << np.int64(32)) | np.arange(n, dtype=np.int64)
+    for g, (tokens,) in enumerate(sums):
+        ids = (np.int64(g) << np.int64(32)) | np.arange(tokens // spec.seq_len, dtype=np.int64)
         is_val = split_mask(ids, spec.val_fraction, "val")
         train, val = train + int((~is_val).sum()), val + int(is_val.sum())
     if train == 0:

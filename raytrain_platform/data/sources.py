@@ -99,6 +99,7 @@ class SourceSpec:
     completion_field: str = "completion"
     messages_field: str = "messages"
     window_cache: bool = True  # tokenized: keep packed windows in the token cache
+    tokenize_processes: int | str = "auto"  # tokenized: the driver's count pass's
 
     @classmethod
     def from_config(cls, cfg: "JobConfig") -> "SourceSpec":
@@ -112,7 +113,7 @@ class SourceSpec:
                    max_read_rows_per_s=d.max_read_rows_per_s, tokenizer=d.tokenizer_for(m),
                    format=d.format, text_field=d.text_field, prompt_field=d.prompt_field,
                    completion_field=d.completion_field, messages_field=d.messages_field,
-                   window_cache=d.window_cache)
+                   window_cache=d.window_cache, tokenize_processes=d.tokenize_processes)
 
     @property
     def tokenized(self) -> bool:
@@ -129,7 +130,7 @@ class SourceSpec:
                          seq_len=self.seq_len, val_fraction=self.val_fraction,
                          text_field=self.text_field, prompt_field=self.prompt_field,
                          completion_field=self.completion_field, messages_field=self.messages_field,
-                         window_cache=self.window_cache)
+                         window_cache=self.window_cache, tokenize_processes=self.tokenize_processes)
 
     def throttle(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Sleep as long as reading these rows takes at ``max_read_rows_per_s`` (no-op

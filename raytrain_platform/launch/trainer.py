@@ -84,7 +84,9 @@ def format_progress(m: dict, total: int) -> str:
 # read tasks (still at 15), so ingest uses CPU the step leaves idle rather than taking
 # turns with it (benchmarks/train_vs_loop.py measures the effect).
 _TRAIN_WORKER_ENV = {"RAY_worker_niceness": "0"}
-JOB_ENV = dict(_RAY_ENV)  # every process of the job
+# Every process of the job. A read task that tokenizes does it on its one CPU: a fast
+# tokenizer would spread each batch of documents over every core, beside the workers.
+JOB_ENV = {**_RAY_ENV, "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _cache_env() -> dict[str, str]:
