@@ -102,9 +102,9 @@ def local_ray(num_cpus: int = 2) -> None:
     (the platform's `train` then reuses it: `init_ray` is a no-op when connected)."""
     import ray
 
-    from raytrain_platform.launch.trainer import JOB_ENV
+    from raytrain_platform.launch.trainer import DRIVER_ENV, JOB_ENV
 
-    for k, v in JOB_ENV.items():
+    for k, v in DRIVER_ENV.items():
         os.environ.setdefault(k, v)
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,

@@ -92,7 +92,7 @@ def count_once(tree: Path, tokenizer: Path, path: Path, fmt: str, cache: Path, p
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert Path(got["code"]).resolve().is_relative_to(tree.resolve()), (got["code"], tree)
     seconds, size = got["s"], path.stat().st_size
-    records = sum(1 for _ in path.open("rb"))
+    records = path.read_bytes().count(b"\n")
     return {"s": round(seconds, 2), "MB_per_s": round(size / seconds / 1e6, 2),
             "records_per_s": round(records / seconds), "counts": got["counts"], "windows": _entries_digest(cache)}
 

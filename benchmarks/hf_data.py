@@ -83,9 +83,9 @@ def _ray() -> None:
     """A local Ray whose workers import this file (the user builder) and never reach a hub."""
     import ray
 
-    from raytrain_platform.launch.trainer import JOB_ENV
+    from raytrain_platform.launch.trainer import DRIVER_ENV, JOB_ENV
 
-    for k, v in {**JOB_ENV, **ENV}.items():
+    for k, v in {**DRIVER_ENV, **ENV}.items():
         os.environ.setdefault(k, v)
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,

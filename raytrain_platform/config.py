@@ -138,12 +138,12 @@ class DataConfig:
     # the driver's count and again by every read of it (data/window_cache.py)
     window_cache: bool = True
     # text/jsonl through a tokenizer: processes the driver's count pass tokenizes with
-    # (data/pool.py): auto = 1 below 16 MB to tokenize, else one per core
+    # (data/pool.py): auto = 1 below 16 MiB to tokenize, else one per core (at most 16)
     tokenize_processes: Union[int, str] = "auto"
 
     _ALLOWED: ClassVar[dict[str, str]] = {
         "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)",
-        "tokenize_processes": "an integer >= 1, or 'auto' (one per core for 16 MB or more to tokenize)"}
+        "tokenize_processes": "an integer >= 1, or 'auto' (one per core for 16 MiB or more to tokenize)"}
 
     _SOURCES: ClassVar[tuple[str, ...]] = ("parquet", "synthetic", "text", "jsonl")
     _FORMATS: ClassVar[tuple[str, ...]] = ("text", "prompt_completion", "chat")  # data/jsonl.py

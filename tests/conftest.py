@@ -197,9 +197,9 @@ def ray_cluster():
     """One real local Ray per test module (start-up is the expensive part)."""
     import ray
 
-    from raytrain_platform.launch.trainer import JOB_ENV
+    from raytrain_platform.launch.trainer import DRIVER_ENV, JOB_ENV
 
-    for key, value in JOB_ENV.items():  # the driver's side of it, as `rtp train` sets it
+    for key, value in DRIVER_ENV.items():  # the driver's side of it, as `rtp train` sets it
         os.environ.setdefault(key, value)
     # The job's environment as `rtp train` sets it.
     # Workers import tests/user_models.py (model.name "user_models:..."), as the driver does.

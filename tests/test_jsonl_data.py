@@ -21,7 +21,7 @@ from raytrain_platform.data.jsonl import (  # noqa: E402
     JsonlSpec, check_fits, count_windows, encode_record, iter_windows, jsonl_files,
     jsonl_windows, load_tokenizer, stream_jsonl_windows)
 from raytrain_platform.data.sources import split_mask  # noqa: E402
-from raytrain_platform.errors import ConfigError, DataError  # noqa: E402
+from raytrain_platform.errors import ConfigError, DataError, describe_error  # noqa: E402
 from raytrain_platform.tools import tiny_llm  # noqa: E402
 
 SEQ_LEN = 65
@@ -748,6 +748,19 @@ def test_documents_tokenized_together_get_each_their_own_tokens(tiny, tok, monke
     rows = records(tiny[fmt])
     is_val = split_mask(np.arange(len(rows), dtype=np.int64), spec.val_fraction, "val").tolist()
     alone = [(v, *encode_record(tok, r, spec)) for v, r in zip(is_val, rows)]
+
+    def ids(text: str) -> list[int]:  # the tokenizer called for one text
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    eos = [tok.eos_token_id]
+    for (_, got, mask), r in zip(alone, rows):  # encode_record: each text tokenized alone
+        if fmt == "text":
+            assert (got, mask) == (ids(r["text"]) + eos, [1] * (len(got)))
+        elif fmt == "prompt_completion":
+            n = len(ids(r["prompt"]))
+            assert (got, mask) == (ids(r["prompt"]) + ids(r["completion"]) + eos, [0] * n + [1] * (len(got) - n))
+        else:
+            assert got == ids(tok.apply_chat_template(r["messages"], tokenize=False)) + eos
     for batch, chars in ((64, 1 << 20), (7, 1 << 20), (64, 500), (1, 1 << 20)):
         monkeypatch.setattr(jsonl, "ENCODE_BATCH", batch)
         monkeypatch.setattr(jsonl, "ENCODE_CHARS", chars)
@@ -834,13 +847,16 @@ def test_the_pool_keeps_order_raises_task_errors_and_names_a_dead_worker(monkeyp
     from raytrain_platform.data import pool
 
     assert list(pool.ordered_map(abs, ((i, -i) for i in range(25)), 2)) == [(i, i) for i in range(25)]
-    with pytest.raises(ValueError, match="invalid literal"):
+    with pytest.raises(ValueError, match="invalid literal") as exc:
         list(pool.ordered_map(int, [(0, "1"), (1, "x"), (2, "3")], 2))
-    with pytest.raises(DataError, match="a tokenizing process stopped.*data.tokenize_processes") as exc:
+    # Its own message, not the worker's traceback text (what the CLI would print).
+    assert describe_error(exc.value) == "ValueError: invalid literal for int() with base 10: 'x'"
+    with pytest.raises(DataError, match="a tokenizing worker process stopped.*data.tokenize_processes") as exc:
         list(pool.ordered_map(os._exit, [(0, 3)], 2))
     one_line(exc)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     assert pool.count_processes("auto", pool.PARALLEL_MIN_BYTES - 1) == 1
-    assert pool.count_processes("auto", 3 * pool.BLOCK_BYTES + pool.PARALLEL_MIN_BYTES) >= 1
+    assert pool.count_processes("auto", 1000 * pool.PARALLEL_MIN_BYTES) == pool.MAX_AUTO_PROCESSES == 16
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: the node's ranks share the cores
     assert pool.usable_cores() == 4
@@ -849,3 +865,105 @@ def test_the_pool_keeps_order_raises_task_errors_and_names_a_dead_worker(monkeyp
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert pool.count_processes("auto", 17 * pool.BLOCK_BYTES) == 8
     assert pool.count_processes(3, 0) == 3
+
+
+def test_a_file_is_read_in_blocks_of_whole_lines(tmp_path):
+    """`_file_blocks`: the blocks are the file, each ends at a line's end but the last, and
+    each knows its first line's index: for blank lines, a missing last newline, an empty
+    file and lines longer than a block."""
+    from raytrain_platform.data import jsonl
+
+    rng = np.random.default_rng(0)
+    cases = [b"", b"\n", b"a", b"a\n", b"a\nbb\n\nc", b"x" * 50 + b"\ny\n"]
+    cases += [bytes(rng.choice(list(b"ab\n"), size=int(rng.integers(1, 60)))) for _ in range(200)]
+    for k, data in enumerate(cases):
+        path = tmp_path / f"{k}.jsonl"
+        path.write_bytes(data)
+        for block_bytes in (1, 2, 3, 7, 64):
+            blocks = list(jsonl._file_blocks(str(path), block_bytes))
+            assert b"".join(b for _, b in blocks) == data, (data, block_bytes)
+            assert all(b.endswith(b"\n") for _, b in blocks[:-1]), (data, block_bytes)
+            assert [first for first, _ in blocks] == [data[:len(b"".join(b for _, b in blocks[:i]))].count(b"\n")
+                                                    for i in range(len(blocks))], (data, block_bytes)
+    with pytest.raises(DataError, match="cannot be read") as exc:
+        list(jsonl._file_blocks(str(tmp_path), 8))  # a folder
+    one_line(exc)
+
+
+def test_a_bad_line_in_a_later_block_or_file_keeps_what_came_before(tiny, tmp_path, monkeypatch):
+    """The count reads and tokenizes a file a block at a time: a bad line in a later block
+    is named by its line; a bad second file leaves the first file's windows and sums kept
+    (its entries are committed once its last block is in, not when the next file starts);
+    the first bad line of a batch is the one named."""
+    from raytrain_platform.data import jsonl, pool
+
+    monkeypatch.setattr(pool, "BLOCK_BYTES", 2048)
+    monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
+    lines = tiny["chat"].read_text().splitlines()
+    bad = lines[:250] + ["{not json"] + lines[251:]
+    folder = tmp_path / "two"
+    write(folder / "a.jsonl", lines)
+    write(folder / "b.jsonl", bad)
+    with pytest.raises(DataError, match="not valid JSON") as exc:
+        count_windows(spec_for(tiny, "chat", path=str(folder)))
+    assert one_line(exc).startswith(f"{folder / 'b.jsonl'}:251: ")
+    assert len(_entries(tmp_path / "cache")) == 2  # a.jsonl's train and val
+    assert len(list((tmp_path / "cache" / "token-counts").glob("*.json"))) == 1
+
+    tok_dir = tmp_path / "tok"  # a template that refuses one conversation
+    shutil.copytree(tiny["tokenizer"], tok_dir)
+    template = tok_dir / "chat_template.jinja"
+    template.write_text("{% for m in messages %}{% if 'FORBIDDEN' in m['content'] %}"
+                        "{{ raise_exception('no FORBIDDEN here') }}{% endif %}{% endfor %}" + template.read_text())
+    both = lines[:20] + [lines[20].replace('"content": "', '"content": "FORBIDDEN ', 1)] + lines[21:30] + ["{not json"]
+    path = write(tmp_path / "both.jsonl", both)  # line 21 cannot be rendered, line 31 is not JSON: one batch
+    with pytest.raises(DataError, match="chat template cannot render") as exc:
+        count_windows(spec_for(tiny, "chat", path=path, tokenizer=str(tok_dir)))
+    assert one_line(exc).startswith(f"{path}:21: ")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="Linux: the parent-death signal and /proc")
+def test_the_pools_workers_stop_with_the_pass_and_with_the_driver(tmp_path):
+    """Leaving a pass early ends its running tasks at once (not after them), and a driver
+    killed outright (SIGKILL: nothing of it runs) takes its workers with it."""
+    import multiprocessing
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from raytrain_platform.data import pool
+
+    results = pool.ordered_map(time.sleep, [(0, 0)] + [(i, 60) for i in range(1, 6)], 2)
+    assert next(results) == (0, None)
+    started = time.monotonic()
+    results.close()  # two workers are 60 s into their sleeps
+    assert time.monotonic() - started < 15 and multiprocessing.active_children() == []
+
+    script = tmp_path / "driver.py"
+    script.write_text("import multiprocessing, sys, time\n"
+                      "from raytrain_platform.data import pool\n"
+                      "if __name__ == '__main__':\n"
+                      "    results = pool.ordered_map(time.sleep, [(0, 0)] + [(i, 60) for i in range(1, 6)], 2)\n"
+                      "    next(results)\n"
+                      "    print(' '.join(str(p.pid) for p in multiprocessing.active_children()), flush=True)\n"
+                      "    time.sleep(120)\n")
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in driver.stdout.readline().split()]
+        assert len(workers) == 2, workers
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ")[1][0] != "Z"  # a zombie has ended
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 15
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in workers), workers

@@ -38,6 +38,7 @@ token ``t`` is a training target: a trainer that predicts ``tokens[:, 1:]`` from
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -151,35 +152,35 @@ def jsonl_files(spec: JsonlSpec) -> list[str]:
     return [base + f[len(root):] for f in found]
 
 
-def _file_bytes(path: str) -> bytes:
+def _file_blocks(path: str, block_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(index of its first line, bytes) of consecutive blocks of whole lines of the file,
+    read about `block_bytes` at a time: the file is never held whole. The last block
+    holds what follows the last newline (empty when the file ends with one, and for an
+    empty file: every file gives at least one block). DataError when it cannot be read."""
     fs, local = _filesystem(path)
     try:
-        with fs.open_input_stream(local) as f:
-            return f.read()
+        stream = fs.open_input_stream(local)
     except OSError as exc:
         raise DataError(f"{path}: cannot be read ({exc})") from None
-
-
-def _line_blocks(data: bytes, block_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """(index of its first line, bytes) of consecutive blocks of whole lines, each about
-    `block_bytes` long (one, empty, for no data).
-
-    >>> list(_line_blocks(b"a\\nbb\\n\\nc", 3))
-    [(0, b'a\\nbb\\n'), (2, b'\\nc')]
-    >>> list(_line_blocks(b"a\\nbb\\n", 1))
-    [(0, b'a\\n'), (1, b'bb\\n')]
-    >>> list(_line_blocks(b"", 2))
-    [(0, b'')]
-    """
-    start = line = 0
-    while True:
-        cut = data.find(b"\n", start + block_bytes - 1)
-        end = len(data) if cut < 0 else cut + 1
-        yield line, data[start:end]
-        if end >= len(data):
-            return
-        line += data.count(b"\n", start, end)
-        start = end
+    with stream:
+        line = 0
+        parts: list[bytes] = []  # the start of a line that has not ended yet
+        while True:
+            try:
+                chunk = stream.read(block_bytes)
+            except OSError as exc:
+                raise DataError(f"{path}: cannot be read ({exc})") from None
+            if not chunk:
+                yield line, b"".join(parts)
+                return
+            cut = chunk.rfind(b"\n") + 1
+            if not cut:  # a line longer than a block: joined once it ends, not copied per chunk
+                parts.append(chunk)
+                continue
+            block = b"".join([*parts, chunk[:cut]])
+            yield line, block
+            line += block.count(b"\n")
+            parts = [chunk[cut:]]
 
 
 def _records(path: str, data: bytes, spec: JsonlSpec, first_line: int = 0) -> Iterator[tuple[int, dict, int]]:
@@ -274,9 +275,10 @@ def _check_record(record: Any, spec: JsonlSpec) -> None:
             raise DataError(f"expected a string field {name!r} (data.format {spec.format}), got {got}")
 
 
-# Documents handed to the tokenizer in one call (at most; and about `ENCODE_CHARS` of
-# text): its per-call cost is paid once for them, and a fast tokenizer spreads them over
-# its threads. Each call still gives every document the ids it gives that document alone.
+# Documents handed to the tokenizer in one call (at most; and about `ENCODE_CHARS` bytes
+# of JSON lines, or characters of text files): its per-call cost is paid once for them,
+# and a fast tokenizer spreads them over its threads. Each call still gives every
+# document the ids it gives that document alone.
 ENCODE_BATCH = 64
 ENCODE_CHARS = 1 << 20
 
@@ -367,7 +369,7 @@ def encode_record(tok: Any, record: dict, spec: JsonlSpec) -> tuple[list[int], l
 
 def _batches(items: Iterator[Any], chars: Callable[[Any], int]) -> Iterator[list[Any]]:
     """`items` in lists of at most `ENCODE_BATCH`, a list closed once its `chars`
-    reach `ENCODE_CHARS`.
+    reach `ENCODE_CHARS`; where `items` raises DataError, the list so far, then the error.
 
     >>> [len(b) for b in _batches(iter(range(150)), lambda i: 1)]
     [64, 64, 22]
@@ -375,12 +377,17 @@ def _batches(items: Iterator[Any], chars: Callable[[Any], int]) -> Iterator[list
     [1, 1, 1]
     """
     batch, size = [], 0
-    for item in items:
-        batch.append(item)
-        size += chars(item)
-        if len(batch) == ENCODE_BATCH or size >= ENCODE_CHARS:
+    try:
+        for item in items:
+            batch.append(item)
+            size += chars(item)
+            if len(batch) == ENCODE_BATCH or size >= ENCODE_CHARS:
+                yield batch
+                batch, size = [], 0
+    except DataError:  # a bad item: the items before it first (one of them may be bad too)
+        if batch:
             yield batch
-            batch, size = [], 0
+        raise
     if batch:
         yield batch
 
@@ -411,10 +418,13 @@ def _documents(file_index: int, path: str, spec: JsonlSpec, splits: tuple[str, .
     """(in val, token ids, loss mask) of each record of the file in `splits`, in line
     order (with `lines`, (index of its first line, bytes of whole lines): of those lines
     only); the other records are checked, not tokenized. A record goes to val by a hash
-    of ``(file_index << 32) | line_index``, before packing, so no window mixes the splits."""
+    of ``(file_index << 32) | line_index``, before packing, so no window mixes the splits.
+    The file is read a block at a time and tokenized `ENCODE_BATCH` records at a time;
+    the first bad line is the one named, whatever the batch."""
     tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
-    first, data = lines if lines is not None else (0, _file_bytes(path))
-    for batch in _batches(_records(path, data, spec, first), lambda item: item[2]):
+    blocks = [lines] if lines is not None else _file_blocks(path, pool.BLOCK_BYTES)
+    records = (record for first, data in blocks for record in _records(path, data, spec, first))
+    for batch in _batches(records, lambda item: item[2]):
         line_ids = (np.int64(file_index) << np.int64(32)) | np.array([i for i, _, _ in batch], dtype=np.int64)
         is_val = split_mask(line_ids, spec.val_fraction, "val").tolist()
         keep = [(v, i, r) for v, (i, r, _) in zip(is_val, batch) if ("val" if v else "train") in splits]
@@ -488,7 +498,8 @@ def _joined(chunks: Iterable[dict[str, np.ndarray]], seq_len: int) -> dict[str, 
 def stream_jsonl_windows(file_index: int, path: str, spec: JsonlSpec, split: str, *,
                          rows: int | None = None) -> Iterator[dict[str, np.ndarray]]:
     """`jsonl_windows`'s arrays `rows` windows at a time (default `stream_rows`),
-    each chunk yielded as soon as the file's records fill it."""
+    each chunk yielded as soon as the records tokenized so far (`ENCODE_BATCH` at a
+    time) fill it."""
     _check_split(split)
     docs = ((ids, mask) for _, ids, mask in _documents(file_index, path, spec, (split,)))
     return _pack(docs, spec.seq_len, _first_id(file_index, split), rows or stream_rows(spec.seq_len))
@@ -803,16 +814,25 @@ class _Piece:
         go to a split by their ids, after packing)."""
         return 1 if self.text else 2
 
-    def tasks(self, spec: JsonlSpec) -> Iterator[tuple]:
-        """`_tokenize_task`'s tasks, in order: a text group whole (about 1 MB), a file's
-        lines in blocks of about `pool.BLOCK_BYTES` (each file at least one, for its
-        0-row entries)."""
+    def tasks(self, spec: JsonlSpec) -> Iterator[tuple[tuple, bool]]:
+        """(`_tokenize_task`'s task, whether it is the piece's last), in order: a text
+        group whole (its files are never split), a file's lines in blocks of about
+        `pool.BLOCK_BYTES` (at least one, for its 0-row entries). A file that cannot be
+        read is a task that raises, in its place: what comes before it is counted first."""
         if self.text:
-            yield ("text", self.paths, spec)
+            yield ("text", self.paths, spec), True
             return
         path = self.paths[0]
-        for first, block in _line_blocks(_file_bytes(path), pool.BLOCK_BYTES):
-            yield ("jsonl", self.index, path, first, block, spec)
+        try:
+            blocks = _file_blocks(path, pool.BLOCK_BYTES)
+            block = next(blocks)
+            for following in blocks:
+                yield ("jsonl", self.index, path, *block, spec), False
+                block = following
+        except DataError as exc:
+            yield ("error", str(exc)), True
+            return
+        yield ("jsonl", self.index, path, *block, spec), True
 
 
 def _tokenize_task(task: tuple) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
@@ -821,6 +841,8 @@ def _tokenize_task(task: tuple) -> tuple[int, dict[str, tuple[np.ndarray, np.nda
     "all" for a text group). Runs in the count pass's worker processes, or in its own."""
     parts: dict[str, tuple[list[int], list[int]]] = {}
     docs = 0
+    if task[0] == "error":
+        raise DataError(task[1])
     if task[0] == "text":
         found: Iterator[tuple[str, list[int], list[int]]] = (
             ("all", ids, mask) for ids, mask in _group_documents(task[1], task[2]))
@@ -878,7 +900,8 @@ class _PieceCount:
 def _count_pieces(pieces: list[_Piece], spec: JsonlSpec, progress: CountProgress) -> list[list[int]]:
     """Each piece's token sums: read back from the token cache where it holds them (and
     the piece's windows, or `data.window_cache` is off), else tokenized once, on
-    ``pool.count_processes`` processes, the windows kept as they come."""
+    ``pool.count_processes`` processes, the windows kept as they come and each piece's
+    entries committed as soon as its last task is in (a later piece's error keeps them)."""
     cache = _TokenCache.open(spec)
     sums: list[list[int] | None] = [None] * len(pieces)
     if cache is not None:
@@ -886,34 +909,31 @@ def _count_pieces(pieces: list[_Piece], spec: JsonlSpec, progress: CountProgress
             if not cache.lacks_windows(list(piece.paths), piece.key(spec), spec):
                 sums[i] = cache.held_tokens(piece.paths, piece.sums_key(spec), piece.sums)
     todo = [i for i, held in enumerate(sums) if held is None]
-    processes = pool.count_processes(spec.tokenize_processes, sum(_size(p) for i in todo for p in pieces[i].paths))
+    todo_bytes = (sum(_size(p) for i in todo for p in pieces[i].paths)
+                  if todo and spec.tokenize_processes == "auto" else 0)
+    processes = pool.count_processes(spec.tokenize_processes, todo_bytes) if todo else 1
     if processes > 1:
         progress.note(f"tokenizing with {processes} processes")
-    tasks = ((i, task) for i in todo for task in pieces[i].tasks(spec))
-    current: tuple[int, _PieceCount] | None = None
-
-    def finish() -> None:
-        assert current is not None
-        i, count = current
-        sums[i] = tokens = count.finish()
-        if cache is not None:
-            cache.keep_tokens(pieces[i].paths, pieces[i].sums_key(spec), tokens)
-
-    try:
-        for i, (docs, parts) in pool.ordered_map(_tokenize_task, tasks, processes):
-            if current is None or current[0] != i:
-                if current is not None:
-                    finish()
-                current = (i, _PieceCount(pieces[i], spec, cache))
-            progress.add(current[1].add(parts), docs)
-        if current is not None:
-            finish()
-    except BaseException:
-        if current is not None:
-            current[1].out.abort()
-        raise
-    assert all(s is not None for s in sums), "every piece yields at least one task"
-    return [s for s in sums if s is not None]
+    tasks = (((i, last), task) for i in todo for task, last in pieces[i].tasks(spec))
+    current: _PieceCount | None = None
+    with contextlib.closing(pool.ordered_map(_tokenize_task, tasks, processes)) as results:
+        try:
+            for (i, last), (docs, parts) in results:
+                current = current or _PieceCount(pieces[i], spec, cache)
+                progress.add(current.add(parts), docs)
+                if last:
+                    sums[i] = tokens = current.finish()
+                    current = None
+                    if cache is not None:
+                        cache.keep_tokens(pieces[i].paths, pieces[i].sums_key(spec), tokens)
+        except BaseException:
+            if current is not None:
+                current.out.abort()
+            raise
+    counted = [s for s in sums if s is not None]
+    if len(counted) != len(pieces):
+        raise RuntimeError(f"the count pass has no token sums for {len(pieces) - len(counted)} piece(s)")
+    return counted
 
 
 def _size(path: str) -> int:
@@ -977,8 +997,11 @@ def _group_documents(paths: tuple[str, ...], spec: JsonlSpec) -> Iterator[tuple[
 
     def texts() -> Iterator[str]:
         for path in paths:
-            with open(path, "rb") as f:
-                yield f.read().decode("utf-8", errors="replace")
+            try:
+                with open(path, "rb") as f:
+                    yield f.read().decode("utf-8", errors="replace")
+            except OSError as exc:
+                raise DataError(f"{path}: cannot be read ({exc})") from None
 
     for batch in _batches(texts(), len):
         yield from _text_docs(tok, batch)

@@ -11,6 +11,8 @@ tokenized by the same function, and the results are packed in the source's order
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
 import multiprocessing
 import os
@@ -19,18 +21,22 @@ import sys
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Generator, Iterable, TypeVar
 
 from raytrain_platform.errors import DataError
 
-__all__ = ["BLOCK_BYTES", "PARALLEL_MIN_BYTES", "count_processes", "ordered_map"]
+__all__ = ["BLOCK_BYTES", "BROKEN", "MAX_AUTO_PROCESSES", "PARALLEL_MIN_BYTES", "count_processes", "ordered_map",
+           "usable_cores"]
 
 # A worker's unit of work: about this many bytes of whole JSONL lines (about 1 s of
 # tokenizing on one core).
 BLOCK_BYTES = 1 << 20
-# Less than this to tokenize (about 15 s on one core): starting the workers costs more
-# than they save on a few cores.
+# Less than this to tokenize (16 MiB: some 6 s of text or prompt_completion and 13 s of
+# chat, batched, on 2 cores here): starting the workers costs more than they save on a
+# few cores.
 PARALLEL_MIN_BYTES = 16 << 20
+# `auto`'s most workers: each holds its own `transformers` and tokenizer (a few hundred MB).
+MAX_AUTO_PROCESSES = 16
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -62,54 +68,96 @@ def _in_ray_actor() -> bool:
 def count_processes(setting: int | str, todo_bytes: int) -> int:
     """Processes to tokenize `todo_bytes` with: `setting` when it is a number; for
     ``auto``, 1 (this process) below `PARALLEL_MIN_BYTES` or in a Ray actor, else one
-    per usable core, at most one per block.
+    per usable core, at most one per block and `MAX_AUTO_PROCESSES`.
 
     >>> count_processes(3, 10), count_processes("auto", 10)
     (3, 1)
-    >>> 1 <= count_processes("auto", 40 << 20) <= 40
-    True
     """
     if setting != "auto":
         return int(setting)
     if todo_bytes < PARALLEL_MIN_BYTES or _in_ray_actor():
         return 1
-    return max(1, min(usable_cores(), math.ceil(todo_bytes / BLOCK_BYTES)))
+    return max(1, min(usable_cores(), MAX_AUTO_PROCESSES, math.ceil(todo_bytes / BLOCK_BYTES)))
 
 
-def _worker_start() -> None:
+def _worker_start(parent: int) -> None:
     # Ctrl-C reaches the whole process group: the driver stops the pass and the
     # workers with it, and no worker prints a traceback of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A driver killed outright (SIGKILL, the OOM killer) takes its workers with it: a
+    # worker waiting on its task queue would otherwise outlive it, its tokenizer loaded.
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent:  # the driver died before the prctl
+            os._exit(1)
     # One thread per process: the workers already fill the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def ordered_map(fn: Callable[[T], R], tasks: Iterable[tuple[Any, T]], processes: int) -> Iterator[tuple[Any, R]]:
+_PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
+
+# What a failed worker pool says (BrokenProcessPool carries no reason of its own).
+BROKEN = ("a tokenizing worker process stopped or could not start (killed, out of memory, or "
+          "a script that starts training at import, without an `if __name__ == \"__main__\":` "
+          "guard, which each worker re-runs): set data.tokenize_processes to 1 to tokenize in "
+          "this process")
+
+
+def _result(future: Future) -> Any:
+    """`future.result()`, an exception raised with its own message only: the worker's
+    traceback, which concurrent.futures chains as its cause (a text whose first line is
+    three quotes: the one line the CLI would print), becomes a note instead, which a full
+    traceback still shows."""
+    try:
+        return future.result()
+    except BrokenProcessPool as exc:
+        raise DataError(BROKEN) from exc
+    except Exception as exc:
+        remote = exc.__cause__
+        if remote is not None and type(remote).__name__ == "_RemoteTraceback":
+            add_note = getattr(exc, "add_note", None)  # Python 3.11+
+            if add_note is not None:
+                add_note(f"in a tokenizing worker process:{remote}")
+            raise exc.with_traceback(None) from None
+        raise
+
+
+def ordered_map(fn: Callable[[T], R], tasks: Iterable[tuple[Any, T]],
+                processes: int) -> Generator[tuple[Any, R], None, None]:
     """(tag, fn(task)) for each (tag, task), in the order of `tasks`: in this process
     when `processes` is 1, else on that many fresh worker processes (``spawn``: no copy
     of this process's threads or Ray connection), at most two tasks per worker in
     flight (the tasks are read as the results are taken). A task's exception is raised
-    here; leaving early cancels the tasks not yet started. A worker that dies (killed,
-    out of memory) is a DataError that says how to do without them."""
+    here, with its own message; a worker pool that fails is a DataError that says how
+    to do without one. Leaving early (an error, Ctrl-C, the caller stopping) stops the
+    workers at once, not after their tasks."""
     if processes <= 1:
         for tag, task in tasks:
             yield tag, fn(task)
         return
     pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_worker_start)
+                               initializer=_worker_start, initargs=(os.getpid(),))
     pending: deque[tuple[Any, Future]] = deque()
+    done = False
     try:
         for tag, task in tasks:
-            pending.append((tag, pool.submit(fn, task)))
+            try:
+                pending.append((tag, pool.submit(fn, task)))
+            except BrokenProcessPool:
+                raise DataError(BROKEN) from None
             if len(pending) >= 2 * processes:
-                tag, done = pending.popleft()
-                yield tag, done.result()
+                tag, future = pending.popleft()
+                yield tag, _result(future)
         while pending:
-            tag, done = pending.popleft()
-            yield tag, done.result()
-    except BrokenProcessPool:
-        raise DataError(f"a tokenizing process stopped (killed, or out of memory) after {processes} "
-                        "were started: set data.tokenize_processes to fewer, or 1 to tokenize in "
-                        "this process") from None
+            tag, future = pending.popleft()
+            yield tag, _result(future)
+        done = True
     finally:
+        if not done:  # the running tasks are of no use now: end them (a private field, read with care)
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                with contextlib.suppress(Exception):
+                    proc.terminate()
         pool.shutdown(wait=True, cancel_futures=True)

@@ -84,6 +84,7 @@ def format_progress(m: dict, total: int) -> str:
 # read tasks (still at 15), so ingest uses CPU the step leaves idle rather than taking
 # turns with it (benchmarks/train_vs_loop.py measures the effect).
 _TRAIN_WORKER_ENV = {"RAY_worker_niceness": "0"}
+DRIVER_ENV = dict(_RAY_ENV)  # the driver's own (its count pass tokenizes on every core)
 # Every process of the job. A read task that tokenizes does it on its one CPU: a fast
 # tokenizer would spread each batch of documents over every core, beside the workers.
 JOB_ENV = {**_RAY_ENV, "TOKENIZERS_PARALLELISM": "false"}
@@ -105,7 +106,7 @@ def init_ray(address: str | None, verbose: bool, *, env_vars: dict[str, str] | N
     `rtp serve` passes its replicas' priority)."""
     import ray
 
-    for k, v in _RAY_ENV.items():
+    for k, v in DRIVER_ENV.items():
         os.environ.setdefault(k, v)
     if ray.is_initialized():
         return
