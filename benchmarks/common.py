@@ -18,7 +18,7 @@ if str(ROOT) not in sys.path:
 
 T = TypeVar("T")
 
-__all__ = ["ROOT", "interleaved", "load_avg", "local_ray", "median", "stamp", "tabular_data"]
+__all__ = ["ROOT", "interleaved", "load_avg", "local_ray", "median", "stamp", "tabular_data", "write_result"]
 
 
 def interleaved(sides: dict[str, Callable[[int], T]], repeats: int, *, label: str = "") -> dict[str, list[T]]:
@@ -53,6 +53,15 @@ def load_avg() -> float:
 def stamp() -> dict:
     """When and under what load a figure was measured, stored beside it."""
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "load_avg_1m": round(load_avg(), 1)}
+
+
+def write_result(result: dict, out: Path | None) -> None:
+    """A benchmark's JSON result to `out` (none: a smoke run without ``--out``)."""
+    if out:
+        import json
+
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
 
 
 def free_port() -> int:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, interleaved, stamp  # noqa: E402
+from common import ROOT, interleaved, stamp, write_result  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 FORMATS = ("chat", "prompt_completion", "text")
@@ -161,9 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_processes_over_baseline")
     print(json.dumps({fmt: {k: r[k] for k in keys if k in r} for fmt, r in result["formats"].items()}, indent=1))
     out = args.out or (None if args.smoke else BENCH / "count_pass.json")
-    if out:
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_result(result, out)
     return 0
 
 

@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, stamp
+from common import ROOT, stamp, write_result
 
 WARMUP = 5
 EPOCHS = 3  # each later epoch's first step waits for the pipeline to restart
@@ -222,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                          repeat=args.repeat, eval_every=args.eval_every, window_cache=not args.no_window_cache)
     print(table(result))
     out = args.out or (None if args.smoke else BENCH / "hf_data.json")
-    if out:
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_result(result, out)
     return 0
 
 

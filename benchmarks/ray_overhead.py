@@ -32,7 +32,6 @@ gap Ray's other processes' CPU and wake-ups explain. Results go to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -46,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, load_avg, stamp, torchrun_command  # noqa: E402
+from common import ROOT, load_avg, stamp, torchrun_command, write_result  # noqa: E402
 import vs_accelerate as va  # noqa: E402
 
 BENCH = ROOT / "benchmarks"
@@ -391,9 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                   seconds=round(time.perf_counter() - t0, 1))
     print(table(result))
     print(f"Ray / torchrun step time: {result['ray_over_torchrun_step']:.3f}; {result['seconds']:.0f}s")
-    if out:
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_result(result, out)
     return 0
 
 

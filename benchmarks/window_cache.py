@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import load_avg, stamp  # noqa: E402
+from common import load_avg, stamp, write_result  # noqa: E402
 import vs_accelerate as va  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -93,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: result[k] for k in ("tokens_per_s_median", "ratio_kept_over_tokenized", "pair_ratios",
                                              "loss_max_abs_diff")}))
     out = args.out or (None if args.smoke else BENCH / "window_cache.json")
-    if out:
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_result(result, out)
     return 0
 
 
