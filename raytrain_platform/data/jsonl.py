@@ -6,8 +6,9 @@ reader runs the same function in a loop, so both paths see the same windows in t
 same order: mapped from the token cache, where the driver's count pass keeps each
 file's windows (`window_cache`), or else tokenized by `stream_jsonl_windows`, which
 yields them a chunk at a time as it tokenizes. Everything is pure and deterministic:
-same files, tokenizer and spec → same arrays, whatever the chunk size and whether
-cached.
+same files, tokenizer and spec → same arrays, whatever the chunk size, however many
+records are tokenized per call, on however many processes (`pool.py`, the count
+pass), and whether cached.
 
 Three record formats, one JSON object per line (blank lines are skipped):
 
