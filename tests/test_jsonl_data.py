@@ -934,11 +934,14 @@ def test_the_pools_workers_stop_with_the_pass_and_with_the_driver(tmp_path):
 
     from raytrain_platform.data import pool
 
+    before = set(multiprocessing.active_children())
     results = pool.ordered_map(time.sleep, [(0, 0)] + [(i, 60) for i in range(1, 6)], 2)
     assert next(results) == (0, None)
+    workers = set(multiprocessing.active_children()) - before
+    assert len(workers) == 2, workers
     started = time.monotonic()
-    results.close()  # two workers are 60 s into their sleeps
-    assert time.monotonic() - started < 15 and multiprocessing.active_children() == []
+    results.close()  # the two workers are into their 60 s sleeps
+    assert time.monotonic() - started < 15 and not any(w.is_alive() for w in workers)
 
     script = tmp_path / "driver.py"
     script.write_text("import multiprocessing, sys, time\n"
