@@ -4,9 +4,10 @@ its files to worker processes and takes their tokens back in order.
 A worker process imports ``transformers`` and loads the tokenizer before its first
 block (about 3 s here), so a pass uses them only when it has enough to tokenize:
 ``data.tokenize_processes: auto`` tokenizes in the driver's own process below
-`PARALLEL_MIN_BYTES`, else on every core this process may use (shared with the other
-ranks of a torchrun node). The tokens are the same either way: every block is
-tokenized by the same function, and the results are packed in the source's order.
+`PARALLEL_MIN_BYTES` and in a Ray actor, else on every core this process may use
+(shared with the other ranks of a torchrun node; at most `MAX_AUTO_PROCESSES`). The
+tokens are the same either way: every block is tokenized by the same function, and
+the results are packed in the source's order.
 """
 
 from __future__ import annotations
