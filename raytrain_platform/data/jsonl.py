@@ -1066,7 +1066,7 @@ def piece_windows(index: int, piece: tuple[str, ...], spec: JsonlSpec, split: st
     end. The same arrays either way."""
     _check_split(split)
     rows = rows or stream_rows(spec.seq_len)
-    key = _group_key(index, spec) if text else _file_key(index, spec)
+    key = _Piece(index, piece, text).key(spec)
     cache = _TokenCache.open(spec) if spec.window_cache else None
     held = cache.windows(piece, key, split, spec.seq_len) if cache else None
     if held is not None:
