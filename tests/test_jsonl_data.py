@@ -621,12 +621,12 @@ def test_one_writer_per_entry_a_whole_entry_kept_and_stale_leftovers_swept(tiny,
     cache.window_writer(piece, key, "val", SEQ_LEN).abort()
     assert not old.exists() and recent.exists()
 
-    def full_disk(self, chunk):
+    def full_disk(self, name, array):
         raise OSError(28, "No space left on device")
 
     fresh = tmp_path / "fresh"
     monkeypatch.setenv("RTP_CACHE_DIR", str(fresh))
-    monkeypatch.setattr(window_cache.Writer, "add", full_disk)
+    monkeypatch.setattr(window_cache.Writer, "_write", full_disk)
     assert count_windows(spec) and _same(_piece(spec, "train")[0], reference)
     assert _entries(fresh) == []  # nothing half-written, no temporary folder left
 

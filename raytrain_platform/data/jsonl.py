@@ -760,12 +760,10 @@ class _CountedWindows:
         writer = self.writers.get(split)
         if writer is None:
             return
-        try:
-            for chunk in chunks:
-                writer.add(chunk)
-        except (OSError, ValueError):
-            writer.abort()
-            del self.writers[split]
+        for chunk in chunks:
+            if not writer.add(chunk):  # dropped (a full disk): pack no more for it
+                del self.writers[split]
+                return
 
     def put_by_id(self, chunks: Iterable[dict[str, np.ndarray]]) -> None:
         """Windows of both splits, each to its own by its sample id (text groups)."""

@@ -91,11 +91,13 @@ def _sweep(parent: Path) -> None:
 
 class Writer:
     """One entry being written: `add` chunks in order, then `commit` (or `abort`).
-    Raises OSError when the folder cannot be made or written, and BlockingIOError
-    when another process is writing the same entry."""
+    Raises OSError when the folder cannot be made, and BlockingIOError when another
+    process is writing the same entry. A write that fails (a full disk) drops the
+    entry: `add` says so, and nothing is written or committed after it."""
 
     def __init__(self, folder: Path, key: dict, seq_len: int):
         self.folder, self.key, self.seq_len, self.rows = folder, key, seq_len, 0
+        self.failed = False
         self.tmp = folder.with_name(f"{folder.name}.{uuid.uuid4().hex}.tmp")
         self.files: dict = {}
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -109,19 +111,32 @@ class Writer:
             self.abort()
             raise
 
-    def add(self, chunk: dict[str, np.ndarray]) -> None:
+    def add(self, chunk: dict[str, np.ndarray]) -> bool:
+        """Writes the chunk; False once a write has failed (the entry is then dropped)."""
+        if self.failed:
+            return False
         n = len(chunk["sample_id"])
-        for name, dtype in DTYPES.items():
-            array = np.ascontiguousarray(chunk[name], dtype=dtype)
-            if array.shape != _shape(name, n, self.seq_len):
-                raise ValueError(f"{name}: shape {array.shape}, expected {_shape(name, n, self.seq_len)}")
-            self.files[name].write(array.tobytes())
+        try:
+            for name, dtype in DTYPES.items():
+                array = np.ascontiguousarray(chunk[name], dtype=dtype)
+                if array.shape != _shape(name, n, self.seq_len):
+                    raise ValueError(f"{name}: shape {array.shape}, expected {_shape(name, n, self.seq_len)}")
+                self._write(name, array)
+        except (OSError, ValueError):
+            self.abort()
+            return False
         self.rows += n
+        return True
+
+    def _write(self, name: str, array: np.ndarray) -> None:
+        self.files[name].write(array.tobytes())
 
     def commit(self) -> None:
-        """Put the entry in place. A whole entry of the same key already there (another
-        process's: the same windows) is kept; a broken one is replaced. A failure leaves
-        no new entry."""
+        """Put the entry in place (nothing once a write failed). A whole entry of the
+        same key already there (another process's: the same windows) is kept; a broken
+        one is replaced. A failure leaves no new entry."""
+        if self.failed:
+            return
         try:
             for f in self.files.values():
                 f.flush()
@@ -143,6 +158,7 @@ class Writer:
         self.lock.close()  # releases the lock
 
     def abort(self) -> None:
+        self.failed = True
         for f in self.files.values():
             try:
                 f.close()
@@ -162,11 +178,7 @@ def tee(chunks: Iterable[dict[str, np.ndarray]],
     try:
         for chunk in chunks:
             if writer is not None:
-                try:
-                    writer.add(chunk)
-                except (OSError, ValueError):
-                    writer.abort()
-                    writer = None
+                writer.add(chunk)
             yield chunk
     except BaseException:  # GeneratorExit (the reader stopped), a bad record
         if writer is not None:
