@@ -74,6 +74,30 @@ def own_copies(tiny, tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path, Jso
     return cache, data, tok_dir, spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir))
 
 
+def three_text_groups(tiny, folder: Path) -> list[tuple[str, ...]]:
+    """The tiny text records dealt into 3 text files under `folder`, one group each."""
+    from raytrain_platform.data import jsonl
+
+    for i in range(3):
+        write(folder / f"{i}.txt", [json.loads(line)["text"] for line in tiny["text"].read_text().splitlines()[i::3]])
+    return jsonl.text_groups([(str(p), p.stat().st_size) for p in sorted(folder.iterdir())], group_bytes=1)
+
+
+def refusing_tokenizer(tiny, tok_dir: Path) -> Path:
+    """A copy of the tiny tokenizer whose chat template refuses (raise_exception) a
+    conversation with FORBIDDEN in a message (`forbidden`)."""
+    shutil.copytree(tiny["tokenizer"], tok_dir)
+    template = tok_dir / "chat_template.jinja"
+    template.write_text("{% for m in messages %}{% if 'FORBIDDEN' in m['content'] %}"
+                        "{{ raise_exception('no FORBIDDEN here') }}{% endif %}{% endfor %}" + template.read_text())
+    return tok_dir
+
+
+def forbidden(chat_line: str) -> str:
+    """A chat JSONL line whose first message `refusing_tokenizer`'s template refuses."""
+    return chat_line.replace('"content": "', '"content": "FORBIDDEN ', 1)
+
+
 def one_line(exc: pytest.ExceptionInfo) -> str:
     msg = str(exc.value)
     assert "\n" not in msg, msg
@@ -376,9 +400,7 @@ def test_text_groups_counts_are_cached(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
     folder = tmp_path / "text"
-    for i in range(3):
-        write(folder / f"{i}.txt", [json.loads(line)["text"] for line in tiny["text"].read_text().splitlines()[i::3]])
-    groups = jsonl.text_groups([(str(p), p.stat().st_size) for p in sorted(folder.iterdir())], group_bytes=1)
+    groups = three_text_groups(tiny, folder)
     spec = spec_for(tiny, "text", path=str(folder))
     counted = jsonl.count_text_windows(groups, spec)
     assert len(groups) == 3 and len(list((tmp_path / "cache" / "token-counts").iterdir())) == 3
@@ -466,9 +488,7 @@ def test_text_groups_windows_are_kept_per_group_and_split(tiny, tmp_path, monkey
     from raytrain_platform.data import jsonl
 
     folder = tmp_path / "text"
-    for i in range(3):
-        write(folder / f"{i}.txt", [json.loads(line)["text"] for line in tiny["text"].read_text().splitlines()[i::3]])
-    groups = jsonl.text_groups([(str(p), p.stat().st_size) for p in sorted(folder.iterdir())], group_bytes=1)
+    groups = three_text_groups(tiny, folder)
     spec = spec_for(tiny, "text", path=str(folder))
     monkeypatch.setenv("RTP_CACHE_DIR", "")
     reference = {(g, s): _piece(spec, s, index=g, piece=paths, text=True)[0]
@@ -787,13 +807,9 @@ def test_text_files_tokenized_together_get_each_their_own_tokens(tiny, tok, tmp_
 def test_a_conversation_the_template_cannot_render_is_named_by_its_line(tiny, tmp_path, monkeypatch):
     from raytrain_platform.data import jsonl
 
-    tok_dir = tmp_path / "tok"
-    shutil.copytree(tiny["tokenizer"], tok_dir)
-    template = tok_dir / "chat_template.jinja"
-    template.write_text("{% for m in messages %}{% if 'FORBIDDEN' in m['content'] %}"
-                        "{{ raise_exception('no FORBIDDEN here') }}{% endif %}{% endfor %}" + template.read_text())
+    tok_dir = refusing_tokenizer(tiny, tmp_path / "tok")
     lines = tiny["chat"].read_text().splitlines()
-    lines[69] = lines[69].replace('"content": "', '"content": "FORBIDDEN ', 1)
+    lines[69] = forbidden(lines[69])
     path = write(tmp_path / "chat.jsonl", lines)
     spec = spec_for(tiny, "chat", path=path, tokenizer=str(tok_dir))
     monkeypatch.setattr(jsonl, "ENCODE_BATCH", 16)  # the 70th line is in the 5th batch
@@ -813,9 +829,7 @@ def test_the_count_on_worker_processes_gives_the_same_sums_and_windows(tiny, tmp
 
     monkeypatch.setattr(pool, "BLOCK_BYTES", 2048)  # the chat file: some 30 blocks
     folder = tmp_path / "text"
-    for i in range(3):
-        write(folder / f"{i}.txt", [json.loads(line)["text"] for line in tiny["text"].read_text().splitlines()[i::3]])
-    groups = jsonl.text_groups([(str(p), p.stat().st_size) for p in sorted(folder.iterdir())], group_bytes=1)
+    groups = three_text_groups(tiny, folder)
     chat, text = spec_for(tiny, "chat"), spec_for(tiny, "text", path=str(folder))
     monkeypatch.setenv("RTP_CACHE_DIR", "")
     reference = {("chat", s): _piece(chat, s)[0] for s in ("train", "val")}
@@ -910,12 +924,8 @@ def test_a_bad_line_in_a_later_block_or_file_keeps_what_came_before(tiny, tmp_pa
     assert len(_entries(tmp_path / "cache")) == 2  # a.jsonl's train and val
     assert len(list((tmp_path / "cache" / "token-counts").glob("*.json"))) == 1
 
-    tok_dir = tmp_path / "tok"  # a template that refuses one conversation
-    shutil.copytree(tiny["tokenizer"], tok_dir)
-    template = tok_dir / "chat_template.jinja"
-    template.write_text("{% for m in messages %}{% if 'FORBIDDEN' in m['content'] %}"
-                        "{{ raise_exception('no FORBIDDEN here') }}{% endif %}{% endfor %}" + template.read_text())
-    both = lines[:20] + [lines[20].replace('"content": "', '"content": "FORBIDDEN ', 1)] + lines[21:30] + ["{not json"]
+    tok_dir = refusing_tokenizer(tiny, tmp_path / "tok")
+    both = lines[:20] + [forbidden(lines[20])] + lines[21:30] + ["{not json"]
     path = write(tmp_path / "both.jsonl", both)  # line 21 cannot be rendered, line 31 is not JSON: one batch
     with pytest.raises(DataError, match="chat template cannot render") as exc:
         count_windows(spec_for(tiny, "chat", path=path, tokenizer=str(tok_dir)))
