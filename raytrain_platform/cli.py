@@ -8,6 +8,7 @@
     rtp sweep SWEEP.yaml [--set KEY=VALUE ...] [--address ADDR] [--verbose]
     rtp serve RUN_DIR_OR_CHECKPOINT ... [--host 127.0.0.1] [--port 8000] [--replicas N] [--write-config FILE]
     rtp doctor CONFIG [--set KEY=VALUE ...] [--workers 1,2] [--steps N] [--out DIR] [--json]
+    rtp cache [--max-gb N | --clear]
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (config, data, checkpoint).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 from typing import Callable
 
 from raytrain_platform.config import add_set_flag
@@ -73,6 +75,46 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cache(args: argparse.Namespace) -> int:
+    import time
+
+    from raytrain_platform.data import window_cache
+    from raytrain_platform.data.jsonl import CACHE_ENV, MAX_GB_ENV, cache_dir, windows_limit
+
+    root = cache_dir()
+    if root is None:
+        print(f"no token cache: {CACHE_ENV} is set empty")
+        return 0
+    windows, sums = root / "token-windows", root / "token-counts"
+    if args.clear:
+        removed = [e for e in window_cache.entries(windows) if window_cache.remove(e.path)]
+        counts = [f for f in (sums.glob("*.json") if sums.is_dir() else ()) if _unlink(f)]
+        print(f"removed {len(removed)} window entr{'y' if len(removed) == 1 else 'ies'} "
+              f"({sum(e.bytes for e in removed) / 1e9:.2f} GB) and {len(counts)} token sum file(s) from {root}")
+        return 0
+    limit = windows_limit()
+    if args.max_gb is not None:
+        pruned = window_cache.prune(windows, windows_limit(args.max_gb, "--max-gb"), recent_s=0)
+        print(f"removed {pruned.removed} least recently used window entr{'y' if pruned.removed == 1 else 'ies'} "
+              f"({pruned.removed_bytes / 1e9:.2f} GB)")
+    found = window_cache.entries(windows)
+    print(f"token cache: {root}")
+    oldest = (f"; least recently used {time.strftime('%Y-%m-%d %H:%M', time.localtime(found[0].used))}"
+              if found else "")
+    print(f"  windows: {len(found)} entr{'y' if len(found) == 1 else 'ies'}, "
+          f"{sum(e.bytes for e in found) / 1e9:.2f} GB of at most {limit / 1e9:g} GB ({MAX_GB_ENV}){oldest}")
+    print(f"  token sums: {len(list(sums.glob('*.json'))) if sums.is_dir() else 0} file(s)")
+    return 0
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        path.unlink()
+    except OSError:
+        return False
+    return True
+
+
 # Commands whose arguments and entry point live in their own package's command module:
 # (name, module, its add-arguments function, its run function -> exit code, help).
 _PACKAGE_COMMANDS = (
@@ -118,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load a run whose model.name is a Python import path (a user builder): building "
                         "it imports and calls the code its config names")
     p.set_defaults(fn=_cmd_export)
+    p = sub.add_parser("cache", help="show the token cache (tokenized windows), trim it or clear it")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--max-gb", default=None, metavar="N",
+                      help="remove the least recently used windows until at most N GB are left")
+    what.add_argument("--clear", action="store_true",
+                      help="remove every kept window and token sum (entries being written are left)")
+    p.set_defaults(fn=_cmd_cache)
     for name, module, add_arguments, run, help_text in _PACKAGE_COMMANDS:
         mod = importlib.import_module(module)  # light: torch and Ray load when the command runs
         p = sub.add_parser(name, help=help_text)

@@ -651,6 +651,134 @@ def test_one_writer_per_entry_a_whole_entry_kept_and_stale_leftovers_swept(tiny,
     assert _entries(fresh) == []  # nothing half-written, no temporary folder left
 
 
+def _age(entry: Path, hours: float) -> None:
+    """Marks a window entry last used `hours` ago (its meta file's time, as a read sets it)."""
+    import time
+
+    when = time.time() - hours * 3600
+    os.utime(entry / "meta.json", (when, when))
+
+
+def test_prune_evicts_the_least_recently_used_entries_first(tmp_path):
+    """Entries go oldest use first until the rest fit; a read counts as a use; the
+    caller's entries and those used within the hour stay even above the limit; a reader
+    that had mapped an entry keeps its arrays; an evicted entry reads as none."""
+    from raytrain_platform.data import window_cache
+
+    folder = tmp_path / "token-windows"
+    arrays = {}
+    for i, rows in enumerate((4, 3, 2, 1)):
+        chunk = {"tokens": np.full((rows, 8), i, np.int32), "loss_mask": np.ones((rows, 8), np.uint8),
+                 "sample_id": np.arange(rows, dtype=np.int64)}
+        writer = window_cache.Writer(folder / f"e{i}", {"i": i}, 8)
+        writer.add(chunk)
+        writer.commit()
+        arrays[i] = chunk
+    size = {e.path.name: e.bytes for e in window_cache.entries(folder)}
+    assert size == {f"e{i}": rows * (8 * 5 + 8) + len(json.dumps({"key": {"i": i}, "rows": rows, "seq_len": 8}))
+                    for i, rows in enumerate((4, 3, 2, 1))}
+    for i, hours in enumerate((5, 4, 3, 2)):
+        _age(folder / f"e{i}", hours)
+    mapped = window_cache.read(folder / "e0", {"i": 0}, 8)  # read now: e0 is the most recently used
+    assert [e.path.name for e in window_cache.entries(folder)] == ["e1", "e2", "e3", "e0"]
+
+    pruned = window_cache.prune(folder, size["e0"] + size["e3"], keep=[folder / "e2"])
+    # e1 (oldest) goes; e2 is kept by the caller; e3 goes; e0 (used now) stays and the rest fit
+    assert pruned == window_cache.Pruned(2, size["e1"] + size["e3"], size["e0"] + size["e2"])
+    assert sorted(p.name for p in folder.iterdir() if p.suffix != ".lock") == ["e0", "e2"]
+    assert window_cache.read(folder / "e1", {"i": 1}, 8) is None
+
+    assert window_cache.prune(folder, 0) == window_cache.Pruned(1, size["e2"], size["e0"])  # e0: recent
+    assert window_cache.prune(folder, 0, recent_s=0) == window_cache.Pruned(1, size["e0"], 0)
+    assert not [p for p in folder.iterdir() if p.suffix != ".lock"]  # nothing renamed and left behind
+    assert all(np.array_equal(mapped[k], arrays[0][k]) for k in arrays[0])  # the earlier reader's map
+    assert window_cache.entries(tmp_path / "none") == []
+
+
+def test_the_count_keeps_the_token_cache_within_its_limit(tiny, tmp_path, monkeypatch, capsys):
+    """RTP_CACHE_MAX_GB: the driver's count evicts other data's windows used longest ago,
+    never its own (it says so when they alone are above the limit); evicted data still
+    counts the same; a read task that writes an entry keeps the cache within it too; a
+    bad value is one line before anything is tokenized."""
+    from raytrain_platform.data import jsonl
+
+    cache, data_a, _, spec_a = own_copies(tiny, tmp_path, monkeypatch)
+    data_b = tmp_path / "b.jsonl"
+    data_b.write_text("".join(data_a.read_text().splitlines(keepends=True)[:200]))
+    spec_b = spec_for(tiny, "chat", path=str(data_b), tokenizer=spec_a.tokenizer)
+    counts_a = count_windows(spec_a)
+    entries_a = _entries(cache)
+    assert len(entries_a) == 2
+    for entry in entries_a:
+        _age(entry, 2)
+    monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "probe"))
+    count_windows(spec_b)
+    bytes_b = sum(f.stat().st_size for e in _entries(tmp_path / "probe") for f in e.iterdir())
+    monkeypatch.setenv("RTP_CACHE_DIR", str(cache))
+    monkeypatch.setenv("RTP_CACHE_MAX_GB", f"{bytes_b / 1e9:.12f}")  # room for b's windows only
+    capsys.readouterr()
+    counts_b = count_windows(spec_b)
+    entries_b = _entries(cache)
+    assert len(entries_b) == 2 and not set(entries_a) & set(entries_b)  # a's evicted, b's kept
+    err = capsys.readouterr().err
+    assert "removed 2 least recently used window entries" in err and "above" not in err
+    _tokenizing_fails(monkeypatch)
+    assert count_windows(spec_b) == counts_b  # b's windows and sums read back
+    monkeypatch.undo()
+
+    monkeypatch.setenv("RTP_CACHE_DIR", str(cache))
+    monkeypatch.setenv("RTP_CACHE_MAX_GB", "0")
+    assert count_windows(spec_a) == counts_a  # tokenized again to keep its windows: the same counts
+    err = capsys.readouterr().err
+    assert "removed" not in err and "above RTP_CACHE_MAX_GB = 0 GB" in err  # b's are recent; a's its own
+    assert len(_entries(cache)) == 4
+
+    for entry in _entries(cache):
+        _age(entry, 2)
+    a_train = jsonl._TokenCache.open(spec_a)._windows_entry([str(data_a)], jsonl._file_key(0, spec_a),
+                                                            "train", SEQ_LEN)[0]
+    jsonl.window_cache.remove(a_train)  # a read task that finds no entry tokenizes and writes it
+    monkeypatch.setattr(jsonl, "_last_prune", [-1e9])
+    _piece(spec_a, "train")
+    assert _entries(cache) == [a_train]  # then evicts all but its own (the limit is 0)
+
+    monkeypatch.setenv("RTP_CACHE_MAX_GB", "lots")
+    _tokenizing_fails(monkeypatch)
+    with pytest.raises(ConfigError, match="RTP_CACHE_MAX_GB = 'lots': expected a number of GB >= 0") as exc:
+        count_windows(spec_b)
+    one_line(exc)
+
+
+def test_cli_cache_shows_trims_and_clears(tiny, tmp_path, monkeypatch, capsys):
+    from raytrain_platform.cli import main
+
+    cache, _, _, spec = own_copies(tiny, tmp_path, monkeypatch)
+    count_windows(spec)
+    entries = _entries(cache)
+    size = sum(f.stat().st_size for e in entries for f in e.iterdir())
+    capsys.readouterr()
+    assert main(["cache"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"token cache: {cache}"
+    assert out[1].startswith(f"  windows: 2 entries, {size / 1e9:.2f} GB of at most 20 GB (RTP_CACHE_MAX_GB)")
+    assert out[2] == "  token sums: 1 file(s)"
+
+    for bad in (["cache", "--max-gb", "-1"], ["cache", "--max-gb", "nan"]):
+        assert main(bad) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --max-gb = ") and len(err.splitlines()) == 1
+    assert _entries(cache) == entries
+    _age(entries[0], 0.5)
+    assert main(["cache", "--max-gb", f"{(size - 1) / 1e9:.12f}"]) == 0  # the user's word: used or not
+    assert capsys.readouterr().out.startswith("removed 1 least recently used window entry")
+    assert _entries(cache) == entries[1:]
+    assert main(["cache", "--clear"]) == 0
+    assert capsys.readouterr().out.startswith("removed 1 window entry")
+    assert _entries(cache) == [] and list((cache / "token-counts").glob("*.json")) == []
+    monkeypatch.setenv("RTP_CACHE_DIR", "")
+    assert main(["cache"]) == 0 and capsys.readouterr().out == "no token cache: RTP_CACHE_DIR is set empty\n"
+
+
 def test_a_tokenizer_changed_in_place_is_loaded_again(tiny, tmp_path):
     """A long-lived process (a notebook) that edits the chat template and counts again
     counts with the new template (and caches the counts under the new files' key)."""
@@ -742,16 +870,20 @@ def test_spec_rejects_bad_values(tiny):
 
 def test_the_jobs_processes_get_the_drivers_cache_folder(monkeypatch, tmp_path):
     """RTP_CACHE_DIR goes to the job's Ray processes absolute (they start in another
-    folder), empty stays empty (no cache), unset stays unset (their own default)."""
+    folder), empty stays empty (no cache), unset stays unset (their own default); so
+    does RTP_CACHE_MAX_GB, as it is."""
     from raytrain_platform.launch.trainer import _cache_env
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RTP_CACHE_MAX_GB", raising=False)
     monkeypatch.setenv("RTP_CACHE_DIR", "relative/cache")
     assert _cache_env() == {"RTP_CACHE_DIR": str(tmp_path / "relative" / "cache")}
     monkeypatch.setenv("RTP_CACHE_DIR", "")
     assert _cache_env() == {"RTP_CACHE_DIR": ""}
     monkeypatch.delenv("RTP_CACHE_DIR")
     assert _cache_env() == {}
+    monkeypatch.setenv("RTP_CACHE_MAX_GB", "2.5")
+    assert _cache_env() == {"RTP_CACHE_MAX_GB": "2.5"}
 
 
 # ---------------------------------------------------------------- tokenizing in batches, on several processes

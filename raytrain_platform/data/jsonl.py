@@ -73,7 +73,9 @@ __all__ = [
     "iter_windows",
     "CountProgress",
     "CACHE_ENV",
+    "MAX_GB_ENV",
     "cache_dir",
+    "windows_limit",
     "count_windows",
     "text_groups",
     "stream_text_group_windows",
@@ -568,6 +570,8 @@ class CountProgress:
 # ---------------------------------------------------------------- the token cache
 
 CACHE_ENV = "RTP_CACHE_DIR"
+MAX_GB_ENV = "RTP_CACHE_MAX_GB"
+DEFAULT_MAX_GB = 20.0
 # A tokenizer folder is often the model's: its weights do not change the tokenizer.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack",
                     ".onnx", ".npz")
@@ -583,6 +587,31 @@ def cache_dir() -> Path | None:
         return Path.home() / ".cache" / "raytrain_platform"
     except (RuntimeError, KeyError):  # no home directory to be found
         return None
+
+
+def windows_limit(value: str | None = None, name: str = MAX_GB_ENV) -> int:
+    """The bytes of kept windows the token cache holds at most: `value` in decimal GB,
+    by default ``$RTP_CACHE_MAX_GB``, else 20. Least recently used entries beyond it are
+    removed. A bad value is a ConfigError naming `name`.
+
+    >>> windows_limit("1.5")
+    1500000000
+    >>> windows_limit("-1")
+    Traceback (most recent call last):
+    ...
+    raytrain_platform.errors.ConfigError: RTP_CACHE_MAX_GB = '-1': expected a number of GB >= 0 (the token windows kept at most; default 20)
+    """
+    value = (os.environ.get(MAX_GB_ENV, "") if value is None else value).strip()
+    if not value:
+        return int(DEFAULT_MAX_GB * 1e9)
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = float("nan")
+    if not gb >= 0 or gb == float("inf"):
+        raise ConfigError(name, value, f"a number of GB >= 0 (the token windows kept at most; "
+                                             f"default {DEFAULT_MAX_GB:g})")
+    return int(gb * 1e9)
 
 
 def _tokenizer_fingerprint(path: str) -> str:
@@ -640,6 +669,8 @@ class _TokenCache:
     # count's sums and both splits' windows are keyed by one look at the file (one stat,
     # or one request for a URI), the look taken before its tokens are read.
     stamps: dict = field(default_factory=dict, compare=False, repr=False)
+    # The window entries read or written through this object: `prune` leaves them.
+    used: set = field(default_factory=set, compare=False, repr=False)
 
     @classmethod
     def open(cls, spec: JsonlSpec) -> "_TokenCache | None":
@@ -725,17 +756,31 @@ class _TokenCache:
         """The `split` windows of the files at `paths` as a complete entry holds them
         (memory-mapped), or None."""
         entry = self._windows_entry(paths, key, split, seq_len)
-        return None if entry is None else window_cache.read(entry[0], entry[1], seq_len)
+        if entry is None:
+            return None
+        held = window_cache.read(entry[0], entry[1], seq_len)
+        if held is not None:
+            self.used.add(entry[0])
+        return held
 
     def window_writer(self, paths: Iterable[str], key: dict, split: str,
                       seq_len: int) -> window_cache.Writer | None:
         """A new entry for those windows, None where it cannot be written (or another
         process is writing it)."""
         entry = self._windows_entry(paths, key, split, seq_len)
+        if entry is None:
+            return None
         try:
-            return None if entry is None else window_cache.Writer(entry[0], entry[1], seq_len)
+            writer = window_cache.Writer(entry[0], entry[1], seq_len)
         except OSError:  # BlockingIOError included
             return None
+        self.used.add(entry[0])
+        return writer
+
+    def prune(self, max_bytes: int) -> window_cache.Pruned:
+        """Evicts the least recently used windows beyond `max_bytes` (`windows_limit`),
+        leaving those this object used and any another run used within the hour."""
+        return window_cache.prune(self.root / "token-windows", max_bytes, keep=self.used)
 
     def lacks_windows(self, paths: list[str], key: dict, spec: JsonlSpec) -> bool:
         """With `spec.window_cache`: a split of those files has no complete entry (the
@@ -902,6 +947,7 @@ def _count_pieces(pieces: list[_Piece], spec: JsonlSpec, progress: CountProgress
     ``pool.count_processes`` processes, the windows kept as they come and each piece's
     entries committed as soon as its last task is in (a later piece's error keeps them)."""
     cache = _TokenCache.open(spec)
+    limit = windows_limit() if cache is not None and spec.window_cache else None  # bad: said before tokenizing
     sums: list[list[int] | None] = [None] * len(pieces)
     if cache is not None:
         for i, piece in enumerate(pieces):
@@ -932,7 +978,21 @@ def _count_pieces(pieces: list[_Piece], spec: JsonlSpec, progress: CountProgress
     counted = [s for s in sums if s is not None]
     if len(counted) != len(pieces):
         raise RuntimeError(f"the count pass has no token sums for {len(pieces) - len(counted)} piece(s)")
+    if cache is not None and limit is not None:
+        _prune_note(cache.prune(limit), limit, progress)
     return counted
+
+
+def _prune_note(pruned: window_cache.Pruned, limit: int, progress: CountProgress) -> None:
+    """Says what keeping the token cache within its limit did, where it did anything."""
+    if pruned.removed:
+        progress.note(f"token cache: removed {pruned.removed} least recently used window "
+                      f"entr{'ies' if pruned.removed != 1 else 'y'} ({pruned.removed_bytes / 1e9:.2f} GB) "
+                      f"to stay within {MAX_GB_ENV} = {limit / 1e9:g} GB")
+    if pruned.left_bytes > limit:
+        progress.note(f"token cache: its windows take {pruned.left_bytes / 1e9:.2f} GB, above "
+                      f"{MAX_GB_ENV} = {limit / 1e9:g} GB: this run's (and any used in the last hour) "
+                      "are kept; raise the limit, or data.window_cache: false to keep none")
 
 
 def _size(path: str) -> int:
@@ -1071,7 +1131,25 @@ def piece_windows(index: int, piece: tuple[str, ...], spec: JsonlSpec, split: st
         return window_cache.slices(held, rows)
     chunks = (stream_text_group_windows(index, piece, spec, split, rows=rows) if text
               else stream_jsonl_windows(index, piece[0], spec, split, rows=rows))
-    return window_cache.tee(chunks, lambda: cache.window_writer(piece, key, split, spec.seq_len) if cache else None)
+    if cache is None:
+        return chunks
+    return _kept(window_cache.tee(chunks, lambda: cache.window_writer(piece, key, split, spec.seq_len)), cache)
+
+
+_PRUNE_EVERY_S = 60.0  # a read task's process looks over the cache at most this often
+_last_prune = [-_PRUNE_EVERY_S]
+
+
+def _kept(chunks: Iterator[dict[str, np.ndarray]], cache: _TokenCache) -> Iterator[dict[str, np.ndarray]]:
+    """`chunks` (a read task's, written to the token cache), then the cache kept within
+    its limit (`windows_limit`; the driver has checked its value), at most once a minute
+    per process: a node whose cache the driver does not see (its own home folder) is
+    kept within it too."""
+    yield from chunks
+    if time.monotonic() - _last_prune[0] >= _PRUNE_EVERY_S:
+        _last_prune[0] = time.monotonic()
+        with contextlib.suppress(ConfigError):
+            cache.prune(windows_limit())
 
 
 def check_fits(spec: JsonlSpec, *, vocab_size: int | None, max_positions: int | None) -> None:

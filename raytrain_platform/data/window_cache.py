@@ -15,6 +15,11 @@ again. The key (built by `jsonl._TokenCache`) holds everything the windows depen
 the files' identity, the tokenizer's files, the spec, the library versions and the
 code (this module's too).
 
+Entries are evicted least recently used first (`prune`): a read marks its entry used
+(the meta file's modification time). An entry is removed by renaming it to a temporary
+name first, so a reader sees it whole or not at all; a reader that has already mapped
+its files keeps them (Linux frees an unlinked file when its last map closes).
+
 numpy only: no Ray, no torch.
 """
 
@@ -26,18 +31,22 @@ import os
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["FORMAT", "DTYPES", "read", "Writer", "tee", "slices"]
+__all__ = ["FORMAT", "DTYPES", "read", "Writer", "tee", "slices", "Entry", "entries", "remove", "prune",
+           "Pruned"]
 
 FORMAT = 1  # part of every key: a change of layout never reads an old entry
 DTYPES: dict[str, np.dtype] = {"tokens": np.dtype(np.int32), "loss_mask": np.dtype(np.uint8),
                                 "sample_id": np.dtype(np.int64)}
 _META = "meta.json"
 _STALE_S = 24 * 3600  # a temporary folder untouched this long was left by a killed writer
+# `prune` leaves an entry used this recently: another run may be reading it right now.
+RECENT_S = 3600
 
 
 def _shape(name: str, rows: int, seq_len: int) -> tuple[int, ...]:
@@ -58,9 +67,13 @@ def read(folder: Path, key: dict, seq_len: int) -> dict[str, np.ndarray] | None:
             if path.stat().st_size != int(np.prod(shape)) * dtype.itemsize:
                 return None
             out[name] = np.memmap(path, dtype=dtype, mode="r", shape=shape) if rows else np.zeros(shape, dtype)
-        return out
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    try:
+        os.utime(folder / _META)  # used now: `prune` evicts the least recently used first
+    except OSError:  # a cache on a read-only filesystem
+        pass
+    return out
 
 
 def slices(arrays: dict[str, np.ndarray], rows: int) -> Iterator[dict[str, np.ndarray]]:
@@ -186,3 +199,75 @@ def tee(chunks: Iterable[dict[str, np.ndarray]],
         raise
     if writer is not None:
         writer.commit()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A complete entry in the folder: its path, its bytes on disk, when it was last
+    used (read or written; seconds since the epoch)."""
+
+    path: Path
+    bytes: int
+    used: float
+
+
+def entries(parent: Path) -> list[Entry]:
+    """The complete entries under `parent`, least recently used first (none for a
+    folder that does not exist); entries being written (temporary folders) are left out."""
+    out = []
+    try:
+        children = list(parent.iterdir())
+    except OSError:
+        return []
+    for child in children:
+        if child.suffix in (".tmp", ".lock"):
+            continue
+        try:
+            used = (child / _META).stat().st_mtime
+            size = sum(f.stat().st_size for f in child.iterdir())
+        except OSError:  # not an entry, or removed meanwhile
+            continue
+        out.append(Entry(child, size, used))
+    return sorted(out, key=lambda e: (e.used, e.path.name))
+
+
+def remove(folder: Path) -> bool:
+    """Removes the entry at `folder`: renamed away first (a reader then finds no entry,
+    never part of one), then deleted. False where it was gone already."""
+    doomed = folder.with_name(f"{folder.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        os.rename(folder, doomed)
+    except OSError:
+        return False
+    shutil.rmtree(doomed, ignore_errors=True)  # what a crash leaves here, `_sweep` removes later
+    return True
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What `prune` did: entries and bytes removed, and the bytes of the entries left."""
+
+    removed: int
+    removed_bytes: int
+    left_bytes: int
+
+
+def prune(parent: Path, max_bytes: int, *, keep: Iterable[Path] = (), recent_s: float = RECENT_S) -> Pruned:
+    """Removes the least recently used entries under `parent` until the rest take at
+    most `max_bytes`, leaving those in `keep` (the caller's run's) and those used less
+    than `recent_s` seconds ago (another run's, maybe being read): those are left even
+    where they alone take more."""
+    found = entries(parent)
+    left = sum(e.bytes for e in found)
+    kept = {Path(p) for p in keep}
+    cutoff = time.time() - recent_s
+    removed = removed_bytes = 0
+    for entry in found:
+        if left <= max_bytes:
+            break
+        if entry.path in kept or entry.used >= cutoff:
+            continue
+        if remove(entry.path):
+            removed, removed_bytes = removed + 1, removed_bytes + entry.bytes
+        left -= entry.bytes  # removed here or by another process meanwhile
+    return Pruned(removed, removed_bytes, left)

@@ -92,12 +92,14 @@ JOB_ENV = {**_RAY_ENV, "TOKENIZERS_PARALLELISM": "false"}
 
 def _cache_env() -> dict[str, str]:
     """The driver's token cache folder (`data/jsonl.py`, ``RTP_CACHE_DIR``; absolute, as
-    Ray's processes start elsewhere; empty: none) for the job's processes, where it set
-    one: read tasks find the windows its count pass kept."""
-    from raytrain_platform.data.jsonl import CACHE_ENV
+    Ray's processes start elsewhere; empty: none) and its limit (``RTP_CACHE_MAX_GB``)
+    for the job's processes, where it set them: read tasks find the windows its count
+    pass kept, and keep the cache within the same limit."""
+    from raytrain_platform.data.jsonl import CACHE_ENV, MAX_GB_ENV
 
-    value = os.environ.get(CACHE_ENV)
-    return {} if value is None else {CACHE_ENV: os.path.abspath(value) if value else ""}
+    value, limit = os.environ.get(CACHE_ENV), os.environ.get(MAX_GB_ENV)
+    return {**({} if value is None else {CACHE_ENV: os.path.abspath(value) if value else ""}),
+            **({} if limit is None else {MAX_GB_ENV: limit})}
 
 
 def init_ray(address: str | None, verbose: bool, *, env_vars: dict[str, str] | None = None) -> None:
