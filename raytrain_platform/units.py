@@ -42,5 +42,11 @@ def parse_count(field: str, text: str) -> int:
 
 
 def format_size(n: int) -> str:
-    """Bytes for a person: GiB, or MiB below 1 GiB (small CPU budgets)."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    """Bytes for a person: GiB, or MiB below 1 GiB (small CPU budgets), or KiB below 1 MiB.
+
+    >>> format_size(300 * 2**10), format_size(0)
+    ('300 KiB', '0 KiB')
+    """
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"

@@ -661,8 +661,10 @@ def _age(entry: Path, hours: float) -> None:
 
 def test_prune_evicts_the_least_recently_used_entries_first(tmp_path):
     """Entries go oldest use first until the rest fit; a read counts as a use; the
-    caller's entries and those used within the hour stay even above the limit; a reader
-    that had mapped an entry keeps its arrays; an evicted entry reads as none."""
+    caller's entries, those used within the hour and those being read stay even above
+    the limit; an evicted entry reads as none; an entry being removed reads as none."""
+    import fcntl
+
     from raytrain_platform.data import window_cache
 
     folder = tmp_path / "token-windows"
@@ -679,33 +681,43 @@ def test_prune_evicts_the_least_recently_used_entries_first(tmp_path):
                     for i, rows in enumerate((4, 3, 2, 1))}
     for i, hours in enumerate((5, 4, 3, 2)):
         _age(folder / f"e{i}", hours)
-    mapped = window_cache.read(folder / "e0", {"i": 0}, 8)  # read now: e0 is the most recently used
+    window_cache.read(folder / "e0", {"i": 0}, 8).close()  # read now: e0 is the most recently used
     assert [e.path.name for e in window_cache.entries(folder)] == ["e1", "e2", "e3", "e0"]
 
     pruned = window_cache.prune(folder, size["e0"] + size["e3"], keep=[folder / "e2"])
     # e1 (oldest) goes; e2 is kept by the caller; e3 goes; e0 (used now) stays and the rest fit
     assert pruned == window_cache.Pruned(2, size["e1"] + size["e3"], size["e0"] + size["e2"])
-    assert sorted(p.name for p in folder.iterdir() if p.suffix != ".lock") == ["e0", "e2"]
+    assert _entries(tmp_path) == [folder / "e0", folder / "e2"]
     assert window_cache.read(folder / "e1", {"i": 1}, 8) is None
-
     assert window_cache.prune(folder, 0) == window_cache.Pruned(1, size["e2"], size["e0"])  # e0: recent
+
+    held = window_cache.read(folder / "e0", {"i": 0}, 8)  # a reader maps e0 and holds it
+    assert window_cache.prune(folder, 0, recent_s=0) == window_cache.Pruned(0, 0, size["e0"])
+    assert not window_cache.remove(folder / "e0") and _entries(tmp_path) == [folder / "e0"]
+    assert all(np.array_equal(held[k], arrays[0][k]) for k in arrays[0])
+    held.close()
+    with open(folder / "e0.lock", "a") as remover:  # another process removing it: reads as none
+        fcntl.flock(remover, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert window_cache.read(folder / "e0", {"i": 0}, 8) is None
     assert window_cache.prune(folder, 0, recent_s=0) == window_cache.Pruned(1, size["e0"], 0)
-    assert not [p for p in folder.iterdir() if p.suffix != ".lock"]  # nothing renamed and left behind
-    assert all(np.array_equal(mapped[k], arrays[0][k]) for k in arrays[0])  # the earlier reader's map
-    assert window_cache.entries(tmp_path / "none") == []
+    assert _entries(tmp_path) == []  # nothing renamed and left behind
+    assert window_cache.entries(tmp_path / "none") == [] and not window_cache.remove(folder / "e0")
 
 
 def test_the_count_keeps_the_token_cache_within_its_limit(tiny, tmp_path, monkeypatch, capsys):
-    """RTP_CACHE_MAX_GB: the driver's count evicts other data's windows used longest ago,
-    never its own (it says so when they alone are above the limit); evicted data still
-    counts the same; a read task that writes an entry keeps the cache within it too; a
-    bad value is one line before anything is tokenized."""
+    """RTP_CACHE_MAX_SIZE: the driver's count evicts other data's windows used longest
+    ago, never its own (it says so when they alone are above the limit); evicted data
+    still counts the same; a read task that writes an entry keeps the cache within it
+    too, leaving entries used within the day, at most once a minute; a bad value is one
+    line before anything is tokenized."""
     from raytrain_platform.data import jsonl
 
     cache, data_a, _, spec_a = own_copies(tiny, tmp_path, monkeypatch)
-    data_b = tmp_path / "b.jsonl"
-    data_b.write_text("".join(data_a.read_text().splitlines(keepends=True)[:200]))
-    spec_b = spec_for(tiny, "chat", path=str(data_b), tokenizer=spec_a.tokenizer)
+    lines = data_a.read_text().splitlines(keepends=True)
+    data_b, data_c = tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    data_b.write_text("".join(lines[:200]))
+    data_c.write_text("".join(lines[:100]))
+    spec_b, spec_c = (spec_for(tiny, "chat", path=str(d), tokenizer=spec_a.tokenizer) for d in (data_b, data_c))
     counts_a = count_windows(spec_a)
     entries_a = _entries(cache)
     assert len(entries_a) == 2
@@ -715,65 +727,89 @@ def test_the_count_keeps_the_token_cache_within_its_limit(tiny, tmp_path, monkey
     count_windows(spec_b)
     bytes_b = sum(f.stat().st_size for e in _entries(tmp_path / "probe") for f in e.iterdir())
     monkeypatch.setenv("RTP_CACHE_DIR", str(cache))
-    monkeypatch.setenv("RTP_CACHE_MAX_GB", f"{bytes_b / 1e9:.12f}")  # room for b's windows only
+    monkeypatch.setenv("RTP_CACHE_MAX_SIZE", str(bytes_b))  # room for b's windows only
     capsys.readouterr()
     counts_b = count_windows(spec_b)
     entries_b = _entries(cache)
     assert len(entries_b) == 2 and not set(entries_a) & set(entries_b)  # a's evicted, b's kept
     err = capsys.readouterr().err
-    assert "removed 2 least recently used window entries" in err and "above" not in err
+    assert "removed 2 window entries used longest ago" in err and "above" not in err
+    real = jsonl._documents
     _tokenizing_fails(monkeypatch)
     assert count_windows(spec_b) == counts_b  # b's windows and sums read back
-    monkeypatch.undo()
+    monkeypatch.setattr(jsonl, "_documents", real)
 
-    monkeypatch.setenv("RTP_CACHE_DIR", str(cache))
-    monkeypatch.setenv("RTP_CACHE_MAX_GB", "0")
+    monkeypatch.setenv("RTP_CACHE_MAX_SIZE", "1B")
     assert count_windows(spec_a) == counts_a  # tokenized again to keep its windows: the same counts
     err = capsys.readouterr().err
-    assert "removed" not in err and "above RTP_CACHE_MAX_GB = 0 GB" in err  # b's are recent; a's its own
+    assert "removed" not in err and "above RTP_CACHE_MAX_SIZE = 0 KiB" in err  # b's are recent; a's its own
     assert len(_entries(cache)) == 4
 
     for entry in _entries(cache):
-        _age(entry, 2)
-    a_train = jsonl._TokenCache.open(spec_a)._windows_entry([str(data_a)], jsonl._file_key(0, spec_a),
-                                                            "train", SEQ_LEN)[0]
-    jsonl.window_cache.remove(a_train)  # a read task that finds no entry tokenizes and writes it
-    monkeypatch.setattr(jsonl, "_last_prune", [-1e9])
-    _piece(spec_a, "train")
-    assert _entries(cache) == [a_train]  # then evicts all but its own (the limit is 0)
+        _age(entry, 30)  # a's and b's last used a day ago and more
+    monkeypatch.setattr(jsonl, "_last_prune", -1e9)
+    _piece(spec_c, "train")  # a read task that finds no entry tokenizes, writes it, then prunes
+    c_train = set(_entries(cache))
+    assert len(c_train) == 1 and not c_train & set(entries_b)  # all but its own, fresh, entry evicted
+    _age(next(iter(c_train)), 30)
+    _piece(spec_c, "val")  # within the minute: no look at the cache
+    assert len(_entries(cache)) == 2
+    monkeypatch.setattr(jsonl, "_last_prune", -1e9)
+    _piece(spec_b, "val")  # c's entries: val used now; train a day ago
+    assert len(_entries(cache)) == 2 and not set(_entries(cache)) & c_train
 
-    monkeypatch.setenv("RTP_CACHE_MAX_GB", "lots")
+    monkeypatch.setenv("RTP_CACHE_MAX_SIZE", "lots")
+    fresh = spec_for(tiny, "chat", path=write(tmp_path / "d.jsonl", lines[:50]), tokenizer=spec_a.tokenizer)
     _tokenizing_fails(monkeypatch)
-    with pytest.raises(ConfigError, match="RTP_CACHE_MAX_GB = 'lots': expected a number of GB >= 0") as exc:
-        count_windows(spec_b)
+    with pytest.raises(ConfigError, match="RTP_CACHE_MAX_SIZE = 'lots': expected a size like 80GiB") as exc:
+        count_windows(fresh)
     one_line(exc)
 
 
 def test_cli_cache_shows_trims_and_clears(tiny, tmp_path, monkeypatch, capsys):
     from raytrain_platform.cli import main
+    from raytrain_platform.data import window_cache
+    from raytrain_platform.units import format_size
 
     cache, _, _, spec = own_copies(tiny, tmp_path, monkeypatch)
+    monkeypatch.delenv("RTP_CACHE_MAX_SIZE", raising=False)
+    assert main(["cache"]) == 0  # no folder yet
+    assert capsys.readouterr().out.splitlines()[1] == "  windows: 0 window entries, 0 KiB of at most 20.0 GiB (RTP_CACHE_MAX_SIZE)"
     count_windows(spec)
     entries = _entries(cache)
-    size = sum(f.stat().st_size for e in entries for f in e.iterdir())
+    sizes = [sum(f.stat().st_size for f in e.iterdir()) for e in entries]
     capsys.readouterr()
     assert main(["cache"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"token cache: {cache}"
-    assert out[1].startswith(f"  windows: 2 entries, {size / 1e9:.2f} GB of at most 20 GB (RTP_CACHE_MAX_GB)")
+    assert out[1].startswith(f"  windows: 2 window entries, {format_size(sum(sizes))} of at most 20.0 GiB "
+                             "(RTP_CACHE_MAX_SIZE); least recently used ")
     assert out[2] == "  token sums: 1 file(s)"
 
-    for bad in (["cache", "--max-gb", "-1"], ["cache", "--max-gb", "nan"]):
+    for bad in (["cache", "--max-size", "-1"], ["cache", "--max-size", "1e400GB"], ["cache", "--max-size", "ten"]):
         assert main(bad) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith("error: --max-gb = ") and len(err.splitlines()) == 1
+        assert err.startswith("error: --max-size = ") and "80GiB" in err and len(err.splitlines()) == 1
+    with pytest.raises(SystemExit) as exc:
+        main(["cache", "--max-size", "1GB", "--clear"])
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
     assert _entries(cache) == entries
-    _age(entries[0], 0.5)
-    assert main(["cache", "--max-gb", f"{(size - 1) / 1e9:.12f}"]) == 0  # the user's word: used or not
-    assert capsys.readouterr().out.startswith("removed 1 least recently used window entry")
-    assert _entries(cache) == entries[1:]
+    oldest = min(range(2), key=lambda i: (cache / "token-windows" / entries[i].name / "meta.json").stat().st_mtime)
+    _age(entries[oldest], 0.5)
+    monkeypatch.setenv("RTP_CACHE_MAX_SIZE", "lots")  # the flag is read, not the environment
+    assert main(["cache", "--max-size", f"{sum(sizes) - 1}B"]) == 0  # the user's word: used or not
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"removed 1 window entry used longest ago ({format_size(sizes[oldest])})"
+    assert out[2].endswith(f"of at most {format_size(sum(sizes) - 1)} (--max-size); least recently used "
+                           + out[2].rsplit("least recently used ", 1)[1])
+    assert _entries(cache) == [entries[1 - oldest]]
+    held = window_cache.read(entries[1 - oldest], json.loads((entries[1 - oldest] / "meta.json").read_text())["key"],
+                             SEQ_LEN)
+    assert main(["cache", "--clear"]) == 0  # a reader holds the last entry
+    assert capsys.readouterr().out == f"removed 0 window entries (0 KiB) and 1 token sum file(s) from {cache}; 1 in use left\n"
+    held.close()
     assert main(["cache", "--clear"]) == 0
-    assert capsys.readouterr().out.startswith("removed 1 window entry")
+    assert capsys.readouterr().out.startswith(f"removed 1 window entry ({format_size(sizes[1 - oldest])})")
     assert _entries(cache) == [] and list((cache / "token-counts").glob("*.json")) == []
     monkeypatch.setenv("RTP_CACHE_DIR", "")
     assert main(["cache"]) == 0 and capsys.readouterr().out == "no token cache: RTP_CACHE_DIR is set empty\n"
@@ -871,19 +907,19 @@ def test_spec_rejects_bad_values(tiny):
 def test_the_jobs_processes_get_the_drivers_cache_folder(monkeypatch, tmp_path):
     """RTP_CACHE_DIR goes to the job's Ray processes absolute (they start in another
     folder), empty stays empty (no cache), unset stays unset (their own default); so
-    does RTP_CACHE_MAX_GB, as it is."""
+    does RTP_CACHE_MAX_SIZE, as it is."""
     from raytrain_platform.launch.trainer import _cache_env
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("RTP_CACHE_MAX_GB", raising=False)
+    monkeypatch.delenv("RTP_CACHE_MAX_SIZE", raising=False)
     monkeypatch.setenv("RTP_CACHE_DIR", "relative/cache")
     assert _cache_env() == {"RTP_CACHE_DIR": str(tmp_path / "relative" / "cache")}
     monkeypatch.setenv("RTP_CACHE_DIR", "")
     assert _cache_env() == {"RTP_CACHE_DIR": ""}
     monkeypatch.delenv("RTP_CACHE_DIR")
     assert _cache_env() == {}
-    monkeypatch.setenv("RTP_CACHE_MAX_GB", "2.5")
-    assert _cache_env() == {"RTP_CACHE_MAX_GB": "2.5"}
+    monkeypatch.setenv("RTP_CACHE_MAX_SIZE", "2.5GB")
+    assert _cache_env() == {"RTP_CACHE_MAX_SIZE": "2.5GB"}
 
 
 # ---------------------------------------------------------------- tokenizing in batches, on several processes

@@ -56,6 +56,7 @@ import numpy as np
 from raytrain_platform.data import pool, window_cache
 from raytrain_platform.data.sources import split_mask
 from raytrain_platform.errors import ConfigError, DataError
+from raytrain_platform.units import format_size, parse_size
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -73,7 +74,7 @@ __all__ = [
     "iter_windows",
     "CountProgress",
     "CACHE_ENV",
-    "MAX_GB_ENV",
+    "MAX_SIZE_ENV",
     "cache_dir",
     "windows_limit",
     "count_windows",
@@ -570,8 +571,8 @@ class CountProgress:
 # ---------------------------------------------------------------- the token cache
 
 CACHE_ENV = "RTP_CACHE_DIR"
-MAX_GB_ENV = "RTP_CACHE_MAX_GB"
-DEFAULT_MAX_GB = 20.0
+MAX_SIZE_ENV = "RTP_CACHE_MAX_SIZE"
+DEFAULT_MAX_SIZE = "20GiB"
 # A tokenizer folder is often the model's: its weights do not change the tokenizer.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack",
                     ".onnx", ".npz")
@@ -589,29 +590,16 @@ def cache_dir() -> Path | None:
         return None
 
 
-def windows_limit(value: str | None = None, name: str = MAX_GB_ENV) -> int:
-    """The bytes of kept windows the token cache holds at most: `value` in decimal GB,
-    by default ``$RTP_CACHE_MAX_GB``, else 20. Least recently used entries beyond it are
+def windows_limit(value: str | None = None, name: str = MAX_SIZE_ENV) -> int:
+    """The bytes of kept windows the token cache holds at most: `value`, by default
+    ``$RTP_CACHE_MAX_SIZE``, else 20GiB. Least recently used entries beyond it are
     removed. A bad value is a ConfigError naming `name`.
 
-    >>> windows_limit("1.5")
-    1500000000
-    >>> windows_limit("-1")
-    Traceback (most recent call last):
-    ...
-    raytrain_platform.errors.ConfigError: RTP_CACHE_MAX_GB = '-1': expected a number of GB >= 0 (the token windows kept at most; default 20)
+    >>> windows_limit("1.5GB"), windows_limit("")
+    (1500000000, 21474836480)
     """
-    value = (os.environ.get(MAX_GB_ENV, "") if value is None else value).strip()
-    if not value:
-        return int(DEFAULT_MAX_GB * 1e9)
-    try:
-        gb = float(value)
-    except ValueError:
-        gb = float("nan")
-    if not gb >= 0 or gb == float("inf"):
-        raise ConfigError(name, value, f"a number of GB >= 0 (the token windows kept at most; "
-                                             f"default {DEFAULT_MAX_GB:g})")
-    return int(gb * 1e9)
+    value = os.environ.get(MAX_SIZE_ENV, "") if value is None else value
+    return parse_size(name, value.strip() or DEFAULT_MAX_SIZE)
 
 
 def _tokenizer_fingerprint(path: str) -> str:
@@ -777,15 +765,19 @@ class _TokenCache:
         self.used.add(entry[0])
         return writer
 
-    def prune(self, max_bytes: int) -> window_cache.Pruned:
+    def prune(self, max_bytes: int, recent_s: float = window_cache.RECENT_S) -> window_cache.Pruned:
         """Evicts the least recently used windows beyond `max_bytes` (`windows_limit`),
-        leaving those this object used and any another run used within the hour."""
-        return window_cache.prune(self.root / "token-windows", max_bytes, keep=self.used)
+        leaving those this object used, those being read and those used within
+        `recent_s` seconds."""
+        return window_cache.prune(self.root / "token-windows", max_bytes, keep=self.used, recent_s=recent_s)
 
     def lacks_windows(self, paths: list[str], key: dict, spec: JsonlSpec) -> bool:
         """With `spec.window_cache`: a split of those files has no complete entry (the
         count then tokenizes them, though it holds their sums, to keep the windows)."""
-        return spec.window_cache and any(self.windows(paths, key, s, spec.seq_len) is None for s in ("train", "val"))
+        if not spec.window_cache:
+            return False
+        held = [self.windows(paths, key, s, spec.seq_len) for s in ("train", "val")]  # both: `used`
+        return any(h is None for h in held)
 
 
 class _CountedWindows:
@@ -986,13 +978,12 @@ def _count_pieces(pieces: list[_Piece], spec: JsonlSpec, progress: CountProgress
 def _prune_note(pruned: window_cache.Pruned, limit: int, progress: CountProgress) -> None:
     """Says what keeping the token cache within its limit did, where it did anything."""
     if pruned.removed:
-        progress.note(f"token cache: removed {pruned.removed} least recently used window "
-                      f"entr{'ies' if pruned.removed != 1 else 'y'} ({pruned.removed_bytes / 1e9:.2f} GB) "
-                      f"to stay within {MAX_GB_ENV} = {limit / 1e9:g} GB")
+        progress.note(f"token cache: removed {window_cache.entries_text(pruned.removed)} used longest ago "
+                      f"({format_size(pruned.removed_bytes)}) to stay within {MAX_SIZE_ENV} = {format_size(limit)}")
     if pruned.left_bytes > limit:
-        progress.note(f"token cache: its windows take {pruned.left_bytes / 1e9:.2f} GB, above "
-                      f"{MAX_GB_ENV} = {limit / 1e9:g} GB: this run's (and any used in the last hour) "
-                      "are kept; raise the limit, or data.window_cache: false to keep none")
+        progress.note(f"token cache: its windows take {format_size(pruned.left_bytes)}, above {MAX_SIZE_ENV} = "
+                      f"{format_size(limit)}: this run's, and any read now or used in the last hour, are kept; "
+                      "raise the limit, or data.window_cache: false to keep none")
 
 
 def _size(path: str) -> int:
@@ -1137,19 +1128,22 @@ def piece_windows(index: int, piece: tuple[str, ...], spec: JsonlSpec, split: st
 
 
 _PRUNE_EVERY_S = 60.0  # a read task's process looks over the cache at most this often
-_last_prune = [-_PRUNE_EVERY_S]
+_last_prune = -_PRUNE_EVERY_S
+# A read task cannot tell its run's other entries: it leaves any used within the day.
+_READ_TASK_RECENT_S = 24 * 3600
 
 
 def _kept(chunks: Iterator[dict[str, np.ndarray]], cache: _TokenCache) -> Iterator[dict[str, np.ndarray]]:
-    """`chunks` (a read task's, written to the token cache), then the cache kept within
-    its limit (`windows_limit`; the driver has checked its value), at most once a minute
-    per process: a node whose cache the driver does not see (its own home folder) is
-    kept within it too."""
+    """`chunks` (a read task's, written to the token cache as they are read), then the
+    cache kept within its limit (`windows_limit`; the driver has checked its value), at
+    most once a minute per process: a node whose cache the driver does not see (its own
+    home folder) stays within it too."""
+    global _last_prune
     yield from chunks
-    if time.monotonic() - _last_prune[0] >= _PRUNE_EVERY_S:
-        _last_prune[0] = time.monotonic()
+    if time.monotonic() - _last_prune >= _PRUNE_EVERY_S:
+        _last_prune = time.monotonic()
         with contextlib.suppress(ConfigError):
-            cache.prune(windows_limit())
+            cache.prune(windows_limit(), recent_s=_READ_TASK_RECENT_S)
 
 
 def check_fits(spec: JsonlSpec, *, vocab_size: int | None, max_positions: int | None) -> None:

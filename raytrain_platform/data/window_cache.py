@@ -16,9 +16,11 @@ the files' identity, the tokenizer's files, the spec, the library versions and t
 code (this module's too).
 
 Entries are evicted least recently used first (`prune`): a read marks its entry used
-(the meta file's modification time). An entry is removed by renaming it to a temporary
-name first, so a reader sees it whole or not at all; a reader that has already mapped
-its files keeps them (Linux frees an unlinked file when its last map closes).
+(the meta file's modification time). A reader holds a shared lock on the entry (its
+lock file) while its arrays are mapped, and `remove` takes the lock exclusively or
+leaves the entry: on a cache shared between machines (NFS) a removed file's pages
+would vanish from under a reader on another machine. An entry is renamed to a
+temporary name before it is deleted, so a reader sees it whole or not at all.
 
 numpy only: no Ray, no torch.
 """
@@ -33,11 +35,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import IO, Callable, Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["FORMAT", "DTYPES", "read", "Writer", "tee", "slices", "Entry", "entries", "remove", "prune",
+__all__ = ["FORMAT", "DTYPES", "Held", "read", "Writer", "tee", "slices", "Entry", "entries", "entries_text", "remove", "prune",
            "Pruned"]
 
 FORMAT = 1  # part of every key: a change of layout never reads an old entry
@@ -45,7 +47,7 @@ DTYPES: dict[str, np.dtype] = {"tokens": np.dtype(np.int32), "loss_mask": np.dty
                                 "sample_id": np.dtype(np.int64)}
 _META = "meta.json"
 _STALE_S = 24 * 3600  # a temporary folder untouched this long was left by a killed writer
-# `prune` leaves an entry used this recently: another run may be reading it right now.
+# `prune` leaves an entry used this recently by default: another run may read it again.
 RECENT_S = 3600
 
 
@@ -53,9 +55,55 @@ def _shape(name: str, rows: int, seq_len: int) -> tuple[int, ...]:
     return (rows,) if name == "sample_id" else (rows, seq_len)
 
 
-def read(folder: Path, key: dict, seq_len: int) -> dict[str, np.ndarray] | None:
-    """The entry's arrays (memory-mapped), or None: no entry at `folder`, another key,
-    or a file missing or of the wrong size."""
+def _lock_path(folder: Path) -> Path:
+    return folder.with_name(f"{folder.name}.lock")
+
+
+class Held(dict[str, np.ndarray]):
+    """An entry's arrays, memory-mapped, with a shared lock on the entry that keeps
+    `remove` from deleting it while they are read: released by `close`, or when this
+    object is freed."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], lock: IO | None):
+        super().__init__(arrays)
+        self.lock = lock
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def read(folder: Path, key: dict, seq_len: int) -> Held | None:
+    """The entry's arrays (memory-mapped, under a shared lock), or None: no entry at
+    `folder`, another key, a file missing or of the wrong size, or the entry being
+    removed. Marks the entry used."""
+    try:
+        lock: IO | None = open(_lock_path(folder), "a")
+    except OSError:  # a read-only cache: nobody here removes its entries
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # fails while a remover holds it
+        arrays = _arrays(folder, key, seq_len)
+    except OSError:
+        arrays = None
+    if arrays is None:
+        if lock is not None:
+            lock.close()
+        return None
+    try:
+        os.utime(folder / _META)  # used now: `prune` evicts the least recently used first
+    except OSError:  # a cache on a read-only filesystem
+        pass
+    return Held(arrays, lock)
+
+
+def _arrays(folder: Path, key: dict, seq_len: int) -> dict[str, np.ndarray] | None:
+    """`read`'s arrays, without the lock."""
     try:
         meta = json.loads((folder / _META).read_text())
         rows = meta["rows"]
@@ -69,19 +117,20 @@ def read(folder: Path, key: dict, seq_len: int) -> dict[str, np.ndarray] | None:
             out[name] = np.memmap(path, dtype=dtype, mode="r", shape=shape) if rows else np.zeros(shape, dtype)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    try:
-        os.utime(folder / _META)  # used now: `prune` evicts the least recently used first
-    except OSError:  # a cache on a read-only filesystem
-        pass
     return out
 
 
 def slices(arrays: dict[str, np.ndarray], rows: int) -> Iterator[dict[str, np.ndarray]]:
     """`arrays` `rows` windows at a time (the last chunk may hold fewer), each chunk a
-    copy in memory (a Ray block or a tensor must not point into the mapped file)."""
-    n = len(arrays["sample_id"])
-    for start in range(0, n, rows):
-        yield {k: np.array(v[start:start + rows]) for k, v in arrays.items()}
+    copy in memory (a Ray block or a tensor must not point into the mapped file); a
+    `Held` entry's lock is released at the end."""
+    try:
+        n = len(arrays["sample_id"])
+        for start in range(0, n, rows):
+            yield {k: np.array(v[start:start + rows]) for k, v in arrays.items()}
+    finally:
+        if isinstance(arrays, Held):
+            arrays.close()
 
 
 _swept: set[Path] = set()  # once per process and folder: a count pass opens a writer per piece
@@ -114,7 +163,7 @@ class Writer:
         self.tmp = folder.with_name(f"{folder.name}.{uuid.uuid4().hex}.tmp")
         self.files: dict = {}
         folder.parent.mkdir(parents=True, exist_ok=True)
-        self.lock = open(folder.with_name(f"{folder.name}.lock"), "a")
+        self.lock = open(_lock_path(folder), "a")
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: another writer
             _sweep(folder.parent)
@@ -162,7 +211,7 @@ class Writer:
             try:
                 os.rename(self.tmp, self.folder)
             except OSError:  # the folder exists (a non-empty folder is never replaced)
-                if read(self.folder, self.key, self.seq_len) is not None:
+                if _arrays(self.folder, self.key, self.seq_len) is not None:
                     raise
                 shutil.rmtree(self.folder, ignore_errors=True)
                 os.rename(self.tmp, self.folder)
@@ -231,15 +280,30 @@ def entries(parent: Path) -> list[Entry]:
     return sorted(out, key=lambda e: (e.used, e.path.name))
 
 
+def entries_text(n: int) -> str:
+    """
+    >>> entries_text(1), entries_text(3)
+    ('1 window entry', '3 window entries')
+    """
+    return f"{n} window entr{'y' if n == 1 else 'ies'}"
+
+
 def remove(folder: Path) -> bool:
-    """Removes the entry at `folder`: renamed away first (a reader then finds no entry,
-    never part of one), then deleted. False where it was gone already."""
-    doomed = folder.with_name(f"{folder.name}.{uuid.uuid4().hex}.tmp")
+    """Removes the entry at `folder` under its lock, taken exclusively: renamed away
+    first (a reader then finds no entry, never part of one), then deleted. False where
+    it is in use (read or written), gone already, or cannot be removed."""
     try:
-        os.rename(folder, doomed)
+        lock = open(_lock_path(folder), "a")
     except OSError:
         return False
-    shutil.rmtree(doomed, ignore_errors=True)  # what a crash leaves here, `_sweep` removes later
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            doomed = folder.with_name(f"{folder.name}.{uuid.uuid4().hex}.tmp")
+            os.rename(folder, doomed)
+        except OSError:  # BlockingIOError: in use
+            return False
+        shutil.rmtree(doomed, ignore_errors=True)  # what a crash leaves here, `_sweep` removes later
     return True
 
 
@@ -254,20 +318,27 @@ class Pruned:
 
 def prune(parent: Path, max_bytes: int, *, keep: Iterable[Path] = (), recent_s: float = RECENT_S) -> Pruned:
     """Removes the least recently used entries under `parent` until the rest take at
-    most `max_bytes`, leaving those in `keep` (the caller's run's) and those used less
-    than `recent_s` seconds ago (another run's, maybe being read): those are left even
-    where they alone take more."""
+    most `max_bytes`, leaving those in `keep` (the caller's run's), those used less than
+    `recent_s` seconds ago (another run may read them again) and those being read: those
+    are left even where they alone take more."""
     found = entries(parent)
     left = sum(e.bytes for e in found)
     kept = {Path(p) for p in keep}
     cutoff = time.time() - recent_s
     removed = removed_bytes = 0
-    for entry in found:
-        if left <= max_bytes:
+    for entry in found:  # least recently used first
+        if left <= max_bytes or entry.used >= cutoff:
             break
-        if entry.path in kept or entry.used >= cutoff:
+        if entry.path in kept:
+            continue
+        try:
+            if (entry.path / _META).stat().st_mtime >= cutoff:  # read since `entries` looked
+                continue
+        except OSError:  # removed meanwhile, by another process
+            left -= entry.bytes
             continue
         if remove(entry.path):
-            removed, removed_bytes = removed + 1, removed_bytes + entry.bytes
-        left -= entry.bytes  # removed here or by another process meanwhile
+            removed, removed_bytes, left = removed + 1, removed_bytes + entry.bytes, left - entry.bytes
+        elif not entry.path.exists():
+            left -= entry.bytes
     return Pruned(removed, removed_bytes, left)

@@ -92,14 +92,14 @@ JOB_ENV = {**_RAY_ENV, "TOKENIZERS_PARALLELISM": "false"}
 
 def _cache_env() -> dict[str, str]:
     """The driver's token cache folder (`data/jsonl.py`, ``RTP_CACHE_DIR``; absolute, as
-    Ray's processes start elsewhere; empty: none) and its limit (``RTP_CACHE_MAX_GB``)
+    Ray's processes start elsewhere; empty: none) and its limit (``RTP_CACHE_MAX_SIZE``)
     for the job's processes, where it set them: read tasks find the windows its count
     pass kept, and keep the cache within the same limit."""
-    from raytrain_platform.data.jsonl import CACHE_ENV, MAX_GB_ENV
+    from raytrain_platform.data.jsonl import CACHE_ENV, MAX_SIZE_ENV
 
-    value, limit = os.environ.get(CACHE_ENV), os.environ.get(MAX_GB_ENV)
+    value, limit = os.environ.get(CACHE_ENV), os.environ.get(MAX_SIZE_ENV)
     return {**({} if value is None else {CACHE_ENV: os.path.abspath(value) if value else ""}),
-            **({} if limit is None else {MAX_GB_ENV: limit})}
+            **({} if limit is None else {MAX_SIZE_ENV: limit})}
 
 
 def init_ray(address: str | None, verbose: bool, *, env_vars: dict[str, str] | None = None) -> None:
