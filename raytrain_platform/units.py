@@ -42,11 +42,14 @@ def parse_count(field: str, text: str) -> int:
 
 
 def format_size(n: int) -> str:
-    """Bytes for a person: GiB, or MiB below 1 GiB (small CPU budgets), or KiB below 1 MiB.
+    """Bytes for a person: GiB, or MiB below 1 GiB (small CPU budgets), KiB below 1 MiB,
+    bytes below 1 KiB.
 
-    >>> format_size(300 * 2**10), format_size(0)
-    ('300 KiB', '0 KiB')
+    >>> format_size(300 * 2**10), format_size(1)
+    ('300 KiB', '1 B')
     """
     if n >= 2**30:
         return f"{n / 2**30:.1f} GiB"
-    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**10:.0f} KiB" if n >= 2**10 else f"{n} B"

@@ -17,6 +17,7 @@ os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 # every process it starts, never the user's ~/.cache.
 os.environ["RTP_CACHE_DIR"] = tempfile.mkdtemp(prefix="rtp-test-cache-")
 atexit.register(shutil.rmtree, os.environ["RTP_CACHE_DIR"], True)
+os.environ.pop("RTP_CACHE_MAX_SIZE", None)  # its default, whatever the shell sets
 
 
 def job_config(tmp: Path, name: str, own: dict, **sections) -> dict:

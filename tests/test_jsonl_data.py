@@ -432,9 +432,9 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _entries(cache: Path) -> list[Path]:
-    """The window cache's entries and temporary folders (not the writers' lock files)."""
+    """The window cache's entries and temporary folders (not the lock files)."""
     folder = cache / "token-windows"
-    return sorted(p for p in folder.iterdir() if p.suffix != ".lock") if folder.exists() else []
+    return sorted(p for p in folder.iterdir() if p.suffix not in (".lock", ".use")) if folder.exists() else []
 
 
 def _tokenizing_fails(monkeypatch):
@@ -469,6 +469,26 @@ def test_the_count_keeps_the_windows_and_the_read_tasks_map_them(tiny, tmp_path,
                 assert [len(c["sample_id"]) for c in chunks[:-1]] == [rows] * (len(chunks) - 1)
             assert all(c[k].flags.owndata for c in chunks for k in c)  # copies, not views of the file
 
+
+
+def test_the_count_writes_again_only_a_split_whose_entry_is_gone(tiny, tmp_path, monkeypatch):
+    """One split's entry evicted: the count tokenizes the piece again but writes only that
+    split, and a read task mapping the other meanwhile reads on."""
+    from raytrain_platform.data import jsonl, window_cache
+
+    cache_dir, data, _, spec = own_copies(tiny, tmp_path, monkeypatch)
+    counted = count_windows(spec)
+    cache, key = jsonl._TokenCache.open(spec), jsonl._file_key(0, spec)
+    train, val = (cache._windows_entry([str(data)], key, s, SEQ_LEN)[0] for s in ("train", "val"))
+    assert window_cache.remove(val)
+    held = cache.windows([str(data)], key, "train", SEQ_LEN)
+    out = jsonl._CountedWindows(cache, [str(data)], key, spec)
+    assert list(out.writers) == ["val"]
+    out.abort()
+    assert count_windows(spec) == counted and _entries(cache_dir) == sorted([train, val])
+    _tokenizing_fails(monkeypatch)
+    assert _same(_piece(spec, "train")[0], dict(held))
+    held.close()
 
 
 def test_an_empty_split_is_kept_as_an_entry_of_no_rows(tiny, tmp_path, monkeypatch):
@@ -691,17 +711,20 @@ def test_prune_evicts_the_least_recently_used_entries_first(tmp_path):
     assert window_cache.read(folder / "e1", {"i": 1}, 8) is None
     assert window_cache.prune(folder, 0) == window_cache.Pruned(1, size["e2"], size["e0"])  # e0: recent
 
+    rewriting = window_cache.Writer(folder / "e0", {"i": 0}, 8)  # a writer of e0 does not stop its readers
     held = window_cache.read(folder / "e0", {"i": 0}, 8)  # a reader maps e0 and holds it
+    rewriting.abort()
     assert window_cache.prune(folder, 0, recent_s=0) == window_cache.Pruned(0, 0, size["e0"])
     assert not window_cache.remove(folder / "e0") and _entries(tmp_path) == [folder / "e0"]
     assert all(np.array_equal(held[k], arrays[0][k]) for k in arrays[0])
     held.close()
-    with open(folder / "e0.lock", "a") as remover:  # another process removing it: reads as none
+    with open(folder / "e0.use", "a+") as remover:  # another process removing it: reads as none
         fcntl.flock(remover, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert window_cache.read(folder / "e0", {"i": 0}, 8) is None
     assert window_cache.prune(folder, 0, recent_s=0) == window_cache.Pruned(1, size["e0"], 0)
     assert _entries(tmp_path) == []  # nothing renamed and left behind
     assert window_cache.entries(tmp_path / "none") == [] and not window_cache.remove(folder / "e0")
+    assert window_cache.read(folder / "e9", {"i": 9}, 8) is None and not (folder / "e9.use").exists()
 
 
 def test_the_count_keeps_the_token_cache_within_its_limit(tiny, tmp_path, monkeypatch, capsys):
@@ -710,6 +733,8 @@ def test_the_count_keeps_the_token_cache_within_its_limit(tiny, tmp_path, monkey
     still counts the same; a read task that writes an entry keeps the cache within it
     too, leaving entries used within the day, at most once a minute; a bad value is one
     line before anything is tokenized."""
+    import time
+
     from raytrain_platform.data import jsonl
 
     cache, data_a, _, spec_a = own_copies(tiny, tmp_path, monkeypatch)
@@ -742,7 +767,7 @@ def test_the_count_keeps_the_token_cache_within_its_limit(tiny, tmp_path, monkey
     monkeypatch.setenv("RTP_CACHE_MAX_SIZE", "1B")
     assert count_windows(spec_a) == counts_a  # tokenized again to keep its windows: the same counts
     err = capsys.readouterr().err
-    assert "removed" not in err and "above RTP_CACHE_MAX_SIZE = 0 KiB" in err  # b's are recent; a's its own
+    assert "removed" not in err and "above RTP_CACHE_MAX_SIZE = 1 B" in err  # b's are recent; a's its own
     assert len(_entries(cache)) == 4
 
     for entry in _entries(cache):
@@ -752,6 +777,7 @@ def test_the_count_keeps_the_token_cache_within_its_limit(tiny, tmp_path, monkey
     c_train = set(_entries(cache))
     assert len(c_train) == 1 and not c_train & set(entries_b)  # all but its own, fresh, entry evicted
     _age(next(iter(c_train)), 30)
+    monkeypatch.setattr(jsonl, "_last_prune", time.monotonic())
     _piece(spec_c, "val")  # within the minute: no look at the cache
     assert len(_entries(cache)) == 2
     monkeypatch.setattr(jsonl, "_last_prune", -1e9)
@@ -774,7 +800,7 @@ def test_cli_cache_shows_trims_and_clears(tiny, tmp_path, monkeypatch, capsys):
     cache, _, _, spec = own_copies(tiny, tmp_path, monkeypatch)
     monkeypatch.delenv("RTP_CACHE_MAX_SIZE", raising=False)
     assert main(["cache"]) == 0  # no folder yet
-    assert capsys.readouterr().out.splitlines()[1] == "  windows: 0 window entries, 0 KiB of at most 20.0 GiB (RTP_CACHE_MAX_SIZE)"
+    assert capsys.readouterr().out.splitlines()[1] == "  windows: 0 window entries, 0 B of at most 20.0 GiB (RTP_CACHE_MAX_SIZE)"
     count_windows(spec)
     entries = _entries(cache)
     sizes = [sum(f.stat().st_size for f in e.iterdir()) for e in entries]
@@ -806,7 +832,7 @@ def test_cli_cache_shows_trims_and_clears(tiny, tmp_path, monkeypatch, capsys):
     held = window_cache.read(entries[1 - oldest], json.loads((entries[1 - oldest] / "meta.json").read_text())["key"],
                              SEQ_LEN)
     assert main(["cache", "--clear"]) == 0  # a reader holds the last entry
-    assert capsys.readouterr().out == f"removed 0 window entries (0 KiB) and 1 token sum file(s) from {cache}; 1 in use left\n"
+    assert capsys.readouterr().out == f"removed 0 window entries (0 B) and 1 token sum file(s) from {cache}; 1 in use left\n"
     held.close()
     assert main(["cache", "--clear"]) == 0
     assert capsys.readouterr().out.startswith(f"removed 1 window entry ({format_size(sizes[1 - oldest])})")

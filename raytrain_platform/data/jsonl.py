@@ -740,9 +740,9 @@ class _TokenCache:
         full = self._key(paths, {**key, "split": split, "seq_len": seq_len, "windows": window_cache.FORMAT})
         return None if full is None else (self.root / "token-windows" / self._name(full), full)
 
-    def windows(self, paths: Iterable[str], key: dict, split: str, seq_len: int) -> dict[str, np.ndarray] | None:
+    def windows(self, paths: Iterable[str], key: dict, split: str, seq_len: int) -> window_cache.Held | None:
         """The `split` windows of the files at `paths` as a complete entry holds them
-        (memory-mapped), or None."""
+        (memory-mapped, under a shared lock until closed), or None."""
         entry = self._windows_entry(paths, key, split, seq_len)
         if entry is None:
             return None
@@ -776,19 +776,36 @@ class _TokenCache:
         count then tokenizes them, though it holds their sums, to keep the windows)."""
         if not spec.window_cache:
             return False
-        held = [self.windows(paths, key, s, spec.seq_len) for s in ("train", "val")]  # both: `used`
-        return any(h is None for h in held)
+        return bool(self.missing_windows(paths, key, spec))
+
+    def missing_windows(self, paths: list[str], key: dict, spec: JsonlSpec) -> list[str]:
+        """The splits of those files without a complete entry (each one that has one is
+        marked used)."""
+        missing = []
+        for split in ("train", "val"):
+            held = self.windows(paths, key, split, spec.seq_len)
+            if held is None:
+                missing.append(split)
+            else:
+                held.close()
+        return missing
 
 
 class _CountedWindows:
     """The count pass's windows of one piece, both splits, written to the token cache
     as it tokenizes them: the read tasks then map them instead of tokenizing again.
-    Nothing without a cache; a split whose entry cannot be written is left out."""
+    Nothing without a cache; a split whose entry is whole already, or cannot be
+    written, is left out."""
 
     def __init__(self, cache: _TokenCache | None, paths: list[str], key: dict, spec: JsonlSpec):
         self.val_fraction = spec.val_fraction
-        writers = {s: cache.window_writer(paths, key, s, spec.seq_len) for s in ("train", "val")} if cache else {}
-        self.writers = {s: w for s, w in writers.items() if w is not None}
+        self.writers: dict[str, window_cache.Writer] = {}
+        if cache is None:
+            return
+        for split in cache.missing_windows(paths, key, spec):
+            writer = cache.window_writer(paths, key, split, spec.seq_len)
+            if writer is not None:
+                self.writers[split] = writer
 
     def wants(self, split: str) -> bool:
         return split in self.writers

@@ -16,11 +16,13 @@ the files' identity, the tokenizer's files, the spec, the library versions and t
 code (this module's too).
 
 Entries are evicted least recently used first (`prune`): a read marks its entry used
-(the meta file's modification time). A reader holds a shared lock on the entry (its
-lock file) while its arrays are mapped, and `remove` takes the lock exclusively or
-leaves the entry: on a cache shared between machines (NFS) a removed file's pages
-would vanish from under a reader on another machine. An entry is renamed to a
-temporary name before it is deleted, so a reader sees it whole or not at all.
+(the meta file's modification time). A reader holds a shared lock on the entry's use
+file (``NAME.use``, apart from the writers' ``NAME.lock``) while its arrays are mapped,
+and `remove` takes it exclusively or leaves the entry: on a cache shared between
+machines (NFS) a removed file's pages would vanish from under a reader on another
+machine. An entry is renamed to a temporary name before it is deleted, so a reader
+sees it whole or not at all. The two lock files stay (empty) when the entry goes: one
+deleted while another process has it open would let two processes each hold "the" lock.
 
 numpy only: no Ray, no torch.
 """
@@ -55,8 +57,18 @@ def _shape(name: str, rows: int, seq_len: int) -> tuple[int, ...]:
     return (rows,) if name == "sample_id" else (rows, seq_len)
 
 
-def _lock_path(folder: Path) -> Path:
-    return folder.with_name(f"{folder.name}.lock")
+def _lock_path(folder: Path, kind: str = "lock") -> Path:
+    """The entry's writers' lock file (``lock``), or its readers' and removers' (``use``)."""
+    return folder.with_name(f"{folder.name}.{kind}")
+
+
+def _open_lock(path: Path) -> IO | None:
+    """The lock file opened for reading and writing (NFS turns flock into POSIX locks,
+    and a shared one needs a file open for reading), None where it cannot be."""
+    try:
+        return open(path, "a+")
+    except OSError:
+        return None
 
 
 class Held(dict[str, np.ndarray]):
@@ -81,16 +93,19 @@ def read(folder: Path, key: dict, seq_len: int) -> Held | None:
     """The entry's arrays (memory-mapped, under a shared lock), or None: no entry at
     `folder`, another key, a file missing or of the wrong size, or the entry being
     removed. Marks the entry used."""
-    try:
-        lock: IO | None = open(_lock_path(folder), "a")
-    except OSError:  # a read-only cache: nobody here removes its entries
-        lock = None
-    try:
-        if lock is not None:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # fails while a remover holds it
-        arrays = _arrays(folder, key, seq_len)
-    except OSError:
-        arrays = None
+    if not (folder / _META).is_file():  # no entry: no lock file made for it
+        return None
+    lock = _open_lock(_lock_path(folder, "use"))  # None: a read-only cache, nobody here removes
+    if lock is not None:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # a remover holds it
+            lock.close()
+            return None
+        except OSError:  # no locks on this filesystem (ENOLCK): read without one
+            lock.close()
+            lock = None
+    arrays = _arrays(folder, key, seq_len)
     if arrays is None:
         if lock is not None:
             lock.close()
@@ -163,7 +178,7 @@ class Writer:
         self.tmp = folder.with_name(f"{folder.name}.{uuid.uuid4().hex}.tmp")
         self.files: dict = {}
         folder.parent.mkdir(parents=True, exist_ok=True)
-        self.lock = open(_lock_path(folder), "a")
+        self.lock = open(_lock_path(folder), "a+")
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: another writer
             _sweep(folder.parent)
@@ -269,7 +284,7 @@ def entries(parent: Path) -> list[Entry]:
     except OSError:
         return []
     for child in children:
-        if child.suffix in (".tmp", ".lock"):
+        if child.suffix in (".tmp", ".lock", ".use"):
             continue
         try:
             used = (child / _META).stat().st_mtime
@@ -292,9 +307,8 @@ def remove(folder: Path) -> bool:
     """Removes the entry at `folder` under its lock, taken exclusively: renamed away
     first (a reader then finds no entry, never part of one), then deleted. False where
     it is in use (read or written), gone already, or cannot be removed."""
-    try:
-        lock = open(_lock_path(folder), "a")
-    except OSError:
+    lock = _open_lock(_lock_path(folder, "use"))
+    if lock is None:
         return False
     with lock:
         try:
