@@ -769,6 +769,9 @@ def test_the_count_keeps_the_token_cache_within_its_limit(tiny, tmp_path, monkey
     err = capsys.readouterr().err
     assert "removed" not in err and "above RTP_CACHE_MAX_SIZE = 1 B" in err  # b's are recent; a's its own
     assert len(_entries(cache)) == 4
+    assert count_windows(spec_a) == counts_a  # read back: the note, and no summary of a count
+    err = capsys.readouterr().err
+    assert "above RTP_CACHE_MAX_SIZE = 1 B" in err and "tokenized" not in err
 
     for entry in _entries(cache):
         _age(entry, 30)  # a's and b's last used a day ago and more

@@ -553,6 +553,13 @@ class CountProgress:
         """Says `line` now (how the pass tokenizes)."""
         self._print(line)
 
+    def aside(self, line: str) -> None:
+        """Says `line` now, about something else than tokenizing (the token cache):
+        a pass that printed nothing else prints no summary for it."""
+        printed = self.printed
+        self._print(line)
+        self.printed = printed
+
     def add(self, tokens: int, docs: int = 1) -> None:
         """`docs` more documents, of `tokens` tokens in all."""
         self.docs, self.tokens = self.docs + docs, self.tokens + tokens
@@ -995,10 +1002,10 @@ def _count_pieces(pieces: list[_Piece], spec: JsonlSpec, progress: CountProgress
 def _prune_note(pruned: window_cache.Pruned, limit: int, progress: CountProgress) -> None:
     """Says what keeping the token cache within its limit did, where it did anything."""
     if pruned.removed:
-        progress.note(f"token cache: removed {window_cache.entries_text(pruned.removed)} used longest ago "
+        progress.aside(f"token cache: removed {window_cache.entries_text(pruned.removed)} used longest ago "
                       f"({format_size(pruned.removed_bytes)}) to stay within {MAX_SIZE_ENV} = {format_size(limit)}")
     if pruned.left_bytes > limit:
-        progress.note(f"token cache: its windows take {format_size(pruned.left_bytes)}, above {MAX_SIZE_ENV} = "
+        progress.aside(f"token cache: its windows take {format_size(pruned.left_bytes)}, above {MAX_SIZE_ENV} = "
                       f"{format_size(limit)}: this run's, and any read now or used in the last hour, are kept; "
                       "raise the limit, or data.window_cache: false to keep none")
 
