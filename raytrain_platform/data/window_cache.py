@@ -41,8 +41,8 @@ from typing import IO, Callable, Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["FORMAT", "DTYPES", "Held", "read", "Writer", "tee", "slices", "Entry", "entries", "entries_text", "remove", "prune",
-           "Pruned"]
+__all__ = ["FORMAT", "DTYPES", "Held", "read", "Writer", "tee", "slices", "Entry", "entries", "entries_text",
+           "remove", "prune", "Pruned"]
 
 FORMAT = 1  # part of every key: a change of layout never reads an old entry
 DTYPES: dict[str, np.dtype] = {"tokens": np.dtype(np.int32), "loss_mask": np.dtype(np.uint8),
