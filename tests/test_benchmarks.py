@@ -117,6 +117,15 @@ def test_count_pass_smoke(tmp_path):
         assert r["windows"][0] > 0 and all(len(runs) == 1 for runs in r["runs"].values()), (fmt, r)
 
 
+def test_cache_prune_smoke(tmp_path):
+    """Looking over, trimming and reading a token cache of 200 entries (~2 s); the
+    benchmark itself checks that the trim removed exactly the oldest tenth."""
+    _run(["benchmarks/cache_prune.py", "--smoke", "--out", str(tmp_path / "p.json")])
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert result["entries"] == 200 and len(result["runs"]) == 1, result
+    assert result["median"]["cache_bytes"] > 0 and result["median"]["read_us"] > 0, result
+
+
 @pytest.mark.extended  # two 2-worker Ray Train runs, tiny: ~1.5 min
 def test_window_cache_smoke(tmp_path):
     """The fine-tune through Ray with the kept windows and without them, one pair: both
