@@ -69,7 +69,9 @@ def one_repeat(work: Path, n: int, reads: int) -> dict:
     t0 = time.perf_counter()
     tenth = window_cache.prune(folder, total - sum(e.bytes for e in found[: n // 10]))
     tenth_s = time.perf_counter() - t0
-    assert under.removed == 0 and tenth.removed == n // 10, (under, tenth)
+    if under.removed or tenth.removed != n // 10:
+        raise RuntimeError(f"prune removed {under.removed} under the limit and {tenth.removed} of the "
+                           f"oldest {n // 10}")
     entry = found[-1].path
     t0 = time.perf_counter()
     for _ in range(reads):
