@@ -482,10 +482,16 @@ def test_the_count_writes_again_only_a_split_whose_entry_is_gone(tiny, tmp_path,
     train, val = (cache._windows_entry([str(data)], key, s, SEQ_LEN)[0] for s in ("train", "val"))
     assert window_cache.remove(val)
     held = cache.windows([str(data)], key, "train", SEQ_LEN)
-    out = jsonl._CountedWindows(cache, [str(data)], key, spec)
-    assert list(out.writers) == ["val"]
-    out.abort()
+    opened = []
+    real_writer = jsonl._TokenCache.window_writer
+
+    def window_writer(self, paths, key, split, seq_len):
+        opened.append(split)
+        return real_writer(self, paths, key, split, seq_len)
+
+    monkeypatch.setattr(jsonl._TokenCache, "window_writer", window_writer)
     assert count_windows(spec) == counted and _entries(cache_dir) == sorted([train, val])
+    assert opened == ["val"]
     _tokenizing_fails(monkeypatch)
     assert _same(_piece(spec, "train")[0], dict(held))
     held.close()

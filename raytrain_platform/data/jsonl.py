@@ -778,18 +778,12 @@ class _TokenCache:
         `recent_s` seconds."""
         return window_cache.prune(self.root / "token-windows", max_bytes, keep=self.used, recent_s=recent_s)
 
-    def lacks_windows(self, paths: list[str], key: dict, spec: JsonlSpec) -> bool:
-        """With `spec.window_cache`: a split of those files has no complete entry (the
-        count then tokenizes them, though it holds their sums, to keep the windows)."""
-        if not spec.window_cache:
-            return False
-        return bool(self.missing_windows(paths, key, spec))
-
     def missing_windows(self, paths: list[str], key: dict, spec: JsonlSpec) -> list[str]:
-        """The splits of those files without a complete entry (each one that has one is
-        marked used)."""
-        missing = []
-        for split in ("train", "val"):
+        """With `spec.window_cache`: the splits of those files without a complete entry
+        (the count then tokenizes them, though it holds their sums, to keep the windows);
+        each one that has one is marked used."""
+        missing: list[str] = []
+        for split in ("train", "val") if spec.window_cache else ():
             held = self.windows(paths, key, split, spec.seq_len)
             if held is None:
                 missing.append(split)
@@ -799,17 +793,18 @@ class _TokenCache:
 
 
 class _CountedWindows:
-    """The count pass's windows of one piece, both splits, written to the token cache
-    as it tokenizes them: the read tasks then map them instead of tokenizing again.
-    Nothing without a cache; a split whose entry is whole already, or cannot be
-    written, is left out."""
+    """The count pass's windows of one piece, the `splits` its token cache lacks
+    (`_TokenCache.missing_windows`), written there as it tokenizes them: the read tasks
+    then map them instead of tokenizing again. Nothing without a cache; a split whose
+    entry cannot be written is left out."""
 
-    def __init__(self, cache: _TokenCache | None, paths: list[str], key: dict, spec: JsonlSpec):
+    def __init__(self, cache: _TokenCache | None, paths: list[str], key: dict, spec: JsonlSpec,
+                 splits: list[str]):
         self.val_fraction = spec.val_fraction
         self.writers: dict[str, window_cache.Writer] = {}
         if cache is None:
             return
-        for split in cache.missing_windows(paths, key, spec):
+        for split in splits:
             writer = cache.window_writer(paths, key, split, spec.seq_len)
             if writer is not None:
                 self.writers[split] = writer
@@ -921,11 +916,11 @@ def _tokenize_task(task: tuple) -> tuple[int, dict[str, tuple[np.ndarray, np.nda
 
 class _PieceCount:
     """One piece's tokens as its tasks give them back, in order: its token sums, and
-    its windows packed and written to the token cache (both splits)."""
+    its windows packed and written to the token cache (the splits it lacks)."""
 
-    def __init__(self, piece: _Piece, spec: JsonlSpec, cache: _TokenCache | None):
+    def __init__(self, piece: _Piece, spec: JsonlSpec, cache: _TokenCache | None, missing: list[str]):
         rows = stream_rows(spec.seq_len)
-        self.out = _CountedWindows(cache if spec.window_cache else None, list(piece.paths), piece.key(spec), spec)
+        self.out = _CountedWindows(cache, list(piece.paths), piece.key(spec), spec, missing)
         self.tokens = [0] * piece.sums
         self.packers = ({"all": _Packer(spec.seq_len, piece.index << 32, rows)} if piece.text else
                         {s: _Packer(spec.seq_len, _first_id(piece.index, s), rows) for s in ("train", "val")})
@@ -965,9 +960,11 @@ def _count_pieces(pieces: list[_Piece], spec: JsonlSpec, progress: CountProgress
     cache = _TokenCache.open(spec)
     limit = windows_limit() if cache is not None and spec.window_cache else None  # bad: said before tokenizing
     sums: list[list[int] | None] = [None] * len(pieces)
+    missing: list[list[str]] = [[] for _ in pieces]  # each piece's splits without kept windows
     if cache is not None:
         for i, piece in enumerate(pieces):
-            if not cache.lacks_windows(list(piece.paths), piece.key(spec), spec):
+            missing[i] = cache.missing_windows(list(piece.paths), piece.key(spec), spec)
+            if not missing[i]:
                 sums[i] = cache.held_tokens(piece.paths, piece.sums_key(spec), piece.sums)
     todo = [i for i, held in enumerate(sums) if held is None]
     todo_bytes = (sum(_size(p) for i in todo for p in pieces[i].paths)
@@ -980,7 +977,7 @@ def _count_pieces(pieces: list[_Piece], spec: JsonlSpec, progress: CountProgress
     with contextlib.closing(pool.ordered_map(_tokenize_task, tasks, processes)) as results:
         try:
             for (i, last), (docs, parts) in results:
-                current = current or _PieceCount(pieces[i], spec, cache)
+                current = current or _PieceCount(pieces[i], spec, cache, missing[i])
                 progress.add(current.add(parts), docs)
                 if last:
                     sums[i] = tokens = current.finish()
