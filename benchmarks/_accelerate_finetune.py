@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import is_compiled_module
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             "processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
             "backend": accelerator.state.backend, "device": str(accelerator.device),
             "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "fused_adamw": args.fused_adamw, "windows": len(dataset),
+            "fused_adamw": args.fused_adamw, "compiled": is_compiled_module(model), "windows": len(dataset),
             "tokens_per_step": args.batch_size * args.seq_len * accelerator.num_processes,
             "step_s": step_s, "losses": [float(x) for x in mean_losses]}) + "\n")
     accelerator.end_training()

@@ -17,8 +17,8 @@ gradient reduction; on CPU plain fp32) and the AdamW optimizer, and each step is
 come from the platform's synthetic LM source (each byte follows the previous one by a
 fixed permutation, 10% noise: learnable; token ids 0-255, inside any vocabulary),
 pre-made on the device so that the step alone is timed. With ``--compile`` each preset
-runs eagerly first, then with every block compiled (``block.compile()``, the unit FSDP
-shards).
+runs eagerly first, then with every block compiled (``parallel.compile``: each block's
+``Module.compile()`` before FSDP makes it a unit, as torchtitan).
 
 Before training, the device's dense peak is measured: the best of large square bf16
 matmuls (fp32 on CPU). MFU uses MosaicML llm-foundry's formula
@@ -161,7 +161,7 @@ def _model_section(preset: dict, folder: Path) -> dict:
                                      "dtype": "float32", "attn_implementation": "sdpa"}}
 
 
-def _job(preset: dict, *, gpu: bool, world: int, folder: Path):
+def _job(preset: dict, *, gpu: bool, world: int, folder: Path, compile_blocks: bool = False):
     from raytrain_platform.config import load_config
     from raytrain_platform.resolve import resolve_job
 
@@ -172,7 +172,9 @@ def _job(preset: dict, *, gpu: bool, world: int, folder: Path):
         "train": {"max_steps": preset["warmup"] + preset["steps"], "lr": preset["lr"],
                   "lr_schedule": "constant", "warmup_steps": preset["warmup"], "grad_clip": 1.0},
         # One GPU holds everything anyway: no re-gather in backward (reshard off).
-        "parallel": {"strategy": "fsdp", "mixed_precision": gpu, "reshard_after_forward": world > 1},
+        # parallel.compile: each block compiled in place before FSDP wraps it (torchtitan's order).
+        "parallel": {"strategy": "fsdp", "mixed_precision": gpu, "reshard_after_forward": world > 1,
+                     "compile": compile_blocks},
         "scaling": {"num_workers": world, "use_gpu": gpu, "cpus_per_worker": 1},
         "run": {"name": "gpu-bench", "storage_path": "/tmp", "checkpoint_every": 0, "eval_every": 0},
     }
@@ -188,23 +190,17 @@ def _batches(job, n: int, device: torch.device) -> torch.Tensor:
 
 
 def _build(preset: dict, *, compile_blocks: bool, env):
-    """The engine (model sharded, optimizer), its blocks compiled when asked, a pool of
-    batches on the device, and what the MFU formula needs of the model."""
+    """The engine (model sharded, optimizer; its blocks compiled with `parallel.compile`
+    when asked), a pool of batches on the device, and what the MFU formula needs of the model."""
     import tempfile
 
     from raytrain_platform.core.engine import Engine
 
     with tempfile.TemporaryDirectory(prefix="gpu-train-model-") as folder:  # hf: config.json only
-        job = _job(preset, gpu=env.device.type == "cuda", world=env.world_size, folder=Path(folder))
+        job = _job(preset, gpu=env.device.type == "cuda", world=env.world_size, folder=Path(folder),
+                   compile_blocks=compile_blocks)
         engine = Engine(job, env)
         pool = _batches(job, min(64, preset["batch"] * 4), env.device)
-    blocks = [block for _, block in engine.family.blocks(engine.wrapped.base)]  # gpt blocks, decoder layers
-    if compile_blocks:
-        # torchtitan compiles per transformer block (each an FSDP unit); identical blocks
-        # share one compiled graph, so every block needs its own cache entry at most.
-        torch._dynamo.config.cache_size_limit = max(64, 2 * len(blocks))
-        for block in blocks:
-            block.compile()
     return engine, pool, flop_shape(preset["family"], engine.wrapped.base, preset["model"])
 
 

@@ -5,6 +5,7 @@
     python benchmarks/vs_accelerate.py                   # ~15 min on 2 quiet CPU cores
     python benchmarks/vs_accelerate.py --smoke           # tiny, 2 processes, 1 repeat, writes nothing (a test)
     python benchmarks/vs_accelerate.py --vocab 4096 --samples 5556   # the LM head 31% of the weight matmuls
+    python benchmarks/vs_accelerate.py --compile         # every side also compiled (~20 min)
 
 The job: a Llama-style model from `raytrain_platform.tools.tiny_llm` (4 layers, d 256,
 4 heads / 2 KV heads, MLP 512, its 512-token BPE; ~2.6M parameters, written as
@@ -28,6 +29,14 @@ Sides, each at 1 and 2 processes (2: DDP on gloo, 127.0.0.1 only):
   ``accelerate launch --multi_gpu`` (torchrun underneath) and ``Accelerator(cpu=True)``:
   ``--cpu --num_processes 2`` starts one process (no ``--mpirun_hostfile``). The script
   records its process count and backend, and a run that is not what was asked fails.
+
+With ``--compile`` every side runs a second time compiled, in the same interleaved
+repeats: the platform with ``parallel.compile`` (each decoder layer compiled in place,
+before DDP wraps the model), Accelerate with ``--dynamo_backend inductor`` (its
+``torch.compile`` of the whole prepared model; the script records that its model was
+compiled). Compiled sides are compared with compiled Accelerate (``ratio_*_compiled``),
+and each side with itself eager (``compile_speedup_*``); results go to
+``benchmarks/vs_accelerate.compile.json``.
 
 Each side's figure is tokens per step (micro-batch x 256 x processes) over the median
 step time of the steps after the first 3 (the platform's ``tokens_per_s`` from its
@@ -104,7 +113,8 @@ def make_llm(folder: Path, size: dict) -> Path:
     return folder
 
 
-def platform_config(llm: Path, processes: int, size: dict, storage: Path, name: str) -> dict:
+def platform_config(llm: Path, processes: int, size: dict, storage: Path, name: str, *,
+                    compiled: bool = False) -> dict:
     return {
         "model": {"name": "hf", "kwargs": {"path": str(llm / "model"), "init": "pretrained"}},
         "data": {"source": "jsonl", "path": str(llm / "data" / "chat.jsonl"), "format": "chat",
@@ -112,7 +122,7 @@ def platform_config(llm: Path, processes: int, size: dict, storage: Path, name: 
                  "prefetch_batches": 4},
         "train": {"max_steps": size["steps"], "lr": LR, "lr_schedule": "constant", "warmup_steps": 0,
                   "betas": list(BETAS), "weight_decay": WEIGHT_DECAY, "grad_clip": 1.0, "seed": 0},
-        "parallel": {"strategy": "ddp" if processes > 1 else "none"},
+        "parallel": {"strategy": "ddp" if processes > 1 else "none", "compile": compiled},
         # 0.5 CPU: leaves Ray's logical CPUs for Ray Data's tokenizing task (finetune.yaml).
         "scaling": {"num_workers": processes, "cpus_per_worker": 0.5, "torch_threads": 1},
         "run": {"name": name, "storage_path": str(storage), "checkpoint_every": 0, "eval_every": 0,
@@ -131,22 +141,22 @@ def _platform_figures(rows: list[dict], processes: int, size: dict) -> dict:
             "losses": [r["loss"] for r in rows]}
 
 
-def _write_config(llm: Path, processes: int, size: dict, storage: Path, name: str) -> Path:
+def _write_config(llm: Path, processes: int, size: dict, storage: Path, name: str, compiled: bool) -> Path:
     import yaml
 
     path = storage / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(platform_config(llm, processes, size, storage, name)))
+    path.write_text(yaml.safe_dump(platform_config(llm, processes, size, storage, name, compiled=compiled)))
     return path
 
 
-def ray_run(llm: Path, processes: int, size: dict, storage: Path, name: str) -> dict:
+def ray_run(llm: Path, processes: int, size: dict, storage: Path, name: str, compiled: bool = False) -> dict:
     """``rtp train CONFIG`` as a user runs it: an embedded Ray, Ray Train workers, Ray Data
     tokenizing the JSONL. In its own process: on a shared machine another job's
     ``ray stop`` ends that run (retried once), not the whole benchmark."""
     from raytrain_platform.core.rundir import read_metrics
 
-    path = _write_config(llm, processes, size, storage, name)
+    path = _write_config(llm, processes, size, storage, name, compiled)
     proc = subprocess.run([sys.executable, "-m", "raytrain_platform", "train", str(path)], cwd=ROOT,
                           env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=900,
                           check=False)
@@ -155,30 +165,32 @@ def ray_run(llm: Path, processes: int, size: dict, storage: Path, name: str) -> 
     return _platform_figures(read_metrics(storage / name), processes, size)
 
 
-def torchrun_run(llm: Path, processes: int, size: dict, storage: Path, name: str) -> dict:
+def torchrun_run(llm: Path, processes: int, size: dict, storage: Path, name: str, compiled: bool = False) -> dict:
     """The same config on the Ray-free core under torchrun (its in-process reader)."""
     from raytrain_platform.core.rundir import read_metrics
 
-    torchrun_core(processes, _write_config(llm, processes, size, storage, name), label=name, timeout=900)
+    torchrun_core(processes, _write_config(llm, processes, size, storage, name, compiled), label=name, timeout=900)
     return _platform_figures(read_metrics(storage / name), processes, size)
 
 
-def accelerate_command(processes: int, port: int, script_args: list[str]) -> list[str]:
+def accelerate_command(processes: int, port: int, script_args: list[str], compiled: bool = False) -> list[str]:
     """``accelerate launch`` with every choice on the command line. One process: ``--cpu``
     (a plain process). Two: ``--multi_gpu``, which is torchrun underneath; the script's
     ``Accelerator(cpu=True)`` then makes a gloo group (``--cpu`` with 2 processes would
-    start one process, see `_accelerate_finetune.py`)."""
+    start one process, see `_accelerate_finetune.py`). `compiled`: ``--dynamo_backend
+    inductor``, Accelerate's own ``torch.compile`` of the whole prepared model."""
     exe = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
     if exe is None:
         raise RuntimeError("accelerate is not installed: pip install -e '.[bench]'")
     mode = ["--cpu"] if processes == 1 else ["--multi_gpu"]
     return [exe, "launch", *mode, "--num_processes", str(processes), "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "inductor" if compiled else "no",
+            "--num_cpu_threads_per_process", "1",
             "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
             str(ACCELERATE_SCRIPT), *script_args]
 
 
-def accelerate_run(llm: Path, processes: int, size: dict, work: Path, name: str) -> dict:
+def accelerate_run(llm: Path, processes: int, size: dict, work: Path, name: str, compiled: bool = False) -> dict:
     out = work / f"{name}.json"
     script_args = ["--model", str(llm / "model"), "--data", str(llm / "data" / "chat.jsonl"),
                    "--seq-len", str(size["seq_len"]), "--batch-size", str(size["batch"]),
@@ -187,7 +199,7 @@ def accelerate_run(llm: Path, processes: int, size: dict, work: Path, name: str)
     # No config file (a missing path: the launcher's defaults), no hub cache of the user's.
     env = {**os.environ, **OFFLINE_ENV, "HF_HOME": str(work / "hf_home"),
            "ACCELERATE_CONFIG_FILE": str(work / "no_accelerate_config.yaml")}
-    proc = subprocess.run(accelerate_command(processes, free_port(), script_args), cwd=ROOT, env=env,
+    proc = subprocess.run(accelerate_command(processes, free_port(), script_args, compiled), cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode:
         raise RuntimeError(f"{name}: accelerate launch failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -195,6 +207,8 @@ def accelerate_run(llm: Path, processes: int, size: dict, work: Path, name: str)
     if got["processes"] != processes or (processes > 1 and got["backend"] != "gloo"):
         raise RuntimeError(f"{name}: asked for {processes} processes on gloo, the script ran "
                            f"{got['processes']} ({got['distributed_type']}, backend {got['backend']})")
+    if got["compiled"] != compiled:
+        raise RuntimeError(f"{name}: asked for compiled={compiled}, the script's model was compiled={got['compiled']}")
     step_s = statistics.median(got["step_s"][size["warmup"]:])
     return {"tokens_per_s": got["tokens_per_step"] / step_s, "step_s": step_s,
             "tokens_per_step": got["tokens_per_step"], "losses": got["losses"],
@@ -238,6 +252,9 @@ def _settled(side: Callable[[str], dict], i: int, settle_s: float) -> dict:
 
 
 SIDES = ("ray", "torchrun", "accelerate")
+# --compile: each side again with torch.compile (the platform's parallel.compile: each
+# decoder layer; Accelerate's --dynamo_backend inductor: the whole model), same run.
+COMPILED = tuple(f"{side}_compiled" for side in SIDES)
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:
@@ -246,10 +263,16 @@ def _max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+def _accelerate_of(side: str) -> str:
+    """The Accelerate side a platform side is compared with: eager with eager, compiled with compiled."""
+    return "accelerate_compiled" if side.endswith("_compiled") else "accelerate"
+
+
 def summarize(runs: dict[str, list[dict]], processes: list[int], size: dict) -> dict:
     by_n = {}
     for n in processes:
-        got = {side: runs[f"{side}_{n}p"] for side in SIDES}
+        got = {side: runs[f"{side}_{n}p"] for side in SIDES + COMPILED if f"{side}_{n}p" in runs}
+        platform = [side for side in got if not side.startswith("accelerate")]
         tps = {side: statistics.median(r["tokens_per_s"] for r in rs) for side, rs in got.items()}
         acc_losses = got["accelerate"][0]["losses"]
         by_n[str(n)] = {
@@ -259,24 +282,28 @@ def summarize(runs: dict[str, list[dict]], processes: list[int], size: dict) -> 
             **{f"{side}_tokens_per_s_repeats": [round(r["tokens_per_s"], 1) for r in rs] for side, rs in got.items()},
             **{f"{side}_wall_s": round(statistics.median(r["wall_s"] for r in rs), 1) for side, rs in got.items()},
             **{f"{side}_data_wait_frac": round(statistics.median(r["data_wait_frac"] for r in got[side]), 4)
-               for side in ("ray", "torchrun")},
-            "ratio_ray": round(tps["ray"] / tps["accelerate"], 3),
-            "ratio_torchrun": round(tps["torchrun"] / tps["accelerate"], 3),
+               for side in platform},
+            # platform / Accelerate, eager against eager and compiled against compiled
+            **{f"ratio_{side}": round(tps[side] / tps[_accelerate_of(side)], 3) for side in platform},
+            **({"ratio_ray_compiled_vs_accelerate_eager": round(tps["ray_compiled"] / tps["accelerate"], 3),
+                **{f"compile_speedup_{side}": round(tps[f"{side}_compiled"] / tps[side], 3) for side in SIDES}}
+               if "ray_compiled" in got else {}),
             # First repeat: the platform's loss per step minus Accelerate's (same weights, windows, order).
             "loss_first": round(acc_losses[0], 4), "loss_last": round(acc_losses[-1], 4),
             "losses_accelerate": [round(x, 4) for x in acc_losses],
             **{f"loss_max_abs_diff_{side}": round(_max_diff(got[side][0]["losses"], acc_losses), 5)
-               for side in ("ray", "torchrun")},
+               for side in got if side != "accelerate"},
         }
     return by_n
 
 
 def measure(work: Path, *, smoke: bool, repeats: int | None = None, processes: list[int] | None = None,
             llm_dir: Path | None = None, on_repeat: Callable[[dict], None] = lambda result: None,
-            vocab: int = 512, samples: int | None = None) -> dict:
+            vocab: int = 512, samples: int | None = None, compiled: bool = False) -> dict:
     """Every side at every process count, `repeats` times; `on_repeat(result so far)`
     after each repeat (a long run on a shared machine keeps what it measured). `vocab`:
-    the tokenizer's vocabulary (the model's embeddings and head follow it)."""
+    the tokenizer's vocabulary (the model's embeddings and head follow it). `compiled`:
+    every side also with torch.compile."""
     size = {**SIZES["smoke" if smoke else "full"], "vocab": vocab}
     size["samples"] = samples or size["samples"]
     repeats = repeats or size["repeats"]
@@ -289,10 +316,14 @@ def measure(work: Path, *, smoke: bool, repeats: int | None = None, processes: l
     llm = make_llm(llm_dir or work / "tiny-llm", size)
     sides = {}
     for n in processes:
-        sides[f"ray_{n}p"] = lambda tag, n=n: ray_run(llm, n, size, work / "runs", f"ray_{n}p_{tag}")
-        sides[f"torchrun_{n}p"] = lambda tag, n=n: torchrun_run(llm, n, size, work / "runs", f"core_{n}p_{tag}")
-        sides[f"accelerate_{n}p"] = lambda tag, n=n: accelerate_run(llm, n, size, work / "accelerate",
-                                                                    f"acc_{n}p_{tag}")
+        for c in (False, True) if compiled else (False,):
+            sfx = "_compiled" if c else ""
+            sides[f"ray{sfx}_{n}p"] = lambda tag, n=n, c=c, sfx=sfx: ray_run(
+                llm, n, size, work / "runs", f"ray{sfx}_{n}p_{tag}", c)
+            sides[f"torchrun{sfx}_{n}p"] = lambda tag, n=n, c=c, sfx=sfx: torchrun_run(
+                llm, n, size, work / "runs", f"core{sfx}_{n}p_{tag}", c)
+            sides[f"accelerate{sfx}_{n}p"] = lambda tag, n=n, c=c, sfx=sfx: accelerate_run(
+                llm, n, size, work / "accelerate", f"acc{sfx}_{n}p_{tag}", c)
     model_vocab = json.loads((llm / "model" / "config.json").read_text())["vocab_size"]
     runs = rotated(sides, repeats, size["settle_s"],
                    lambda runs, done: on_repeat(_result(runs, processes, size, done, repeats, model_vocab)))
@@ -324,12 +355,15 @@ def table(result: dict) -> str:
     lines = [("| processes | platform (Ray) tokens/s | platform (torchrun) tokens/s | Accelerate tokens/s | "
               "ratio Ray / Accelerate | ratio torchrun / Accelerate | loss diff (Ray, torchrun) | "
               "wall s (Ray, torchrun, Accelerate) |"),
-             "|---:|---:|---:|---:|---:|---:|---|---|"]
+             "|---|---:|---:|---:|---:|---:|---|---|"]
     for n, e in result["processes"].items():
-        lines.append(f"| {n} | {e['ray_tokens_per_s']:,.0f} | {e['torchrun_tokens_per_s']:,.0f} | "
-                     f"{e['accelerate_tokens_per_s']:,.0f} | {e['ratio_ray']:.3f} | {e['ratio_torchrun']:.3f} | "
-                     f"{e['loss_max_abs_diff_ray']:.1e}, {e['loss_max_abs_diff_torchrun']:.1e} | "
-                     f"{e['ray_wall_s']:.0f}, {e['torchrun_wall_s']:.0f}, {e['accelerate_wall_s']:.0f} |")
+        for sfx in ("", "_compiled") if "ray_compiled_tokens_per_s" in e else ("",):
+            ray, core, acc = (f"{side}{sfx}" for side in SIDES)
+            lines.append(f"| {n}{', compiled' if sfx else ''} | {e[f'{ray}_tokens_per_s']:,.0f} | "
+                         f"{e[f'{core}_tokens_per_s']:,.0f} | {e[f'{acc}_tokens_per_s']:,.0f} | "
+                         f"{e[f'ratio_{ray}']:.3f} | {e[f'ratio_{core}']:.3f} | "
+                         f"{e[f'loss_max_abs_diff_{ray}']:.1e}, {e[f'loss_max_abs_diff_{core}']:.1e} | "
+                         f"{e[f'{ray}_wall_s']:.0f}, {e[f'{core}_wall_s']:.0f}, {e[f'{acc}_wall_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -344,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=512,
                    help="the tokenizer's vocabulary, and so the model's (default 512: the LM head is 5%% of the "
                         "weight matmuls; 4096: 31%%, 8192: 47%%); the default --out gains .vocabN")
+    p.add_argument("--compile", action="store_true",
+                   help="every side also compiled (the platform's parallel.compile, Accelerate's "
+                        "--dynamo_backend inductor), in the same run; the default --out gains .compile")
     p.add_argument("--samples", type=int, help="chat records (default 2000; a larger vocabulary packs them into "
                                                "fewer windows: 5556, the most the standard library gives, for 8192)")
     args = p.parse_args(argv)
@@ -352,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     processes = [int(x) for x in args.processes.split(",") if x.strip()] if args.processes else None
     if processes is not None and (not processes or any(n < 1 for n in processes)):
         p.error(f"--processes: positive integers, got {args.processes!r}")
-    suffix = "" if args.vocab == 512 else f".vocab{args.vocab}"
+    suffix = ("" if args.vocab == 512 else f".vocab{args.vocab}") + (".compile" if args.compile else "")
     out = args.out or (None if args.smoke else BENCH / f"vs_accelerate{suffix}.json")
     t0 = time.perf_counter()
     command = " ".join(["python benchmarks/vs_accelerate.py", *(sys.argv[1:] if argv is None else argv)])
@@ -365,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="rtp-vs-accelerate-") as tmp:
         result = measure(Path(tmp), smoke=args.smoke, repeats=args.repeats, processes=processes,
-                         llm_dir=args.llm_dir, on_repeat=save, vocab=args.vocab, samples=args.samples)
+                         llm_dir=args.llm_dir, on_repeat=save, vocab=args.vocab, samples=args.samples,
+                         compiled=args.compile)
     save(result)
     print(table(result))
     load = result["load_avg_1m_runs"]

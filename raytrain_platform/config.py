@@ -286,7 +286,8 @@ class ParallelConfig:
     mixed_precision: bool = False  # bf16 parameters in forward/backward, fp32 gradient reduction
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
     cpu_offload: bool = False  # sharded parameters, gradients, optimizer state in host memory
-    activation_checkpointing: bool = False  # recompute each gpt block's activations in backward
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    compile: bool = False  # torch.compile each repeated block (parallel/compile.py)
     # Model parallelism (gpt; parallel/dims.py): data-parallel size = num_workers / (tp x pp).
     tp_size: int = 1  # tensor-parallel ranks per model replica (heads split across them)
     pp_size: int = 1  # pipeline-parallel ranks (stages) per model replica
@@ -296,8 +297,7 @@ class ParallelConfig:
     sequence_parallel: bool = False  # TP: norms and dropout on sequence shards
 
     _FSDP_ONLY: ClassVar[dict[str, bool]] = {
-        "mixed_precision": False, "reshard_after_forward": True, "cpu_offload": False,
-        "activation_checkpointing": False}
+        "mixed_precision": False, "reshard_after_forward": True, "cpu_offload": False}
 
     def __post_init__(self) -> None:
         _check(self.strategy in STRATEGIES or self.strategy == "auto", "parallel.strategy",
@@ -499,6 +499,8 @@ class JobConfig:
         _check(family.has_blocks or not par.activation_checkpointing,
                "parallel.activation_checkpointing", par.activation_checkpointing,
                f"false for model '{self.model.name}' (it has no repeated blocks to checkpoint)")
+        _check(family.has_blocks or not par.compile, "parallel.compile", par.compile,
+               f"false for model '{self.model.name}' (blocks are what is compiled, and it has none)")
         task = self.model.task
         if task == "lm":
             seq_len = self.seq_len
@@ -612,7 +614,9 @@ def _validate_parallel_dims(cfg: JobConfig) -> None:
     _check(par.strategy != "ddp" or tp == 1 or dp == 1, "parallel.strategy", par.strategy,
            f"'fsdp' for data parallel over tensor-parallel groups (tp_size {tp} x dp {dp}: TP x FSDP)")
     _check(not par.activation_checkpointing, "parallel.activation_checkpointing", True,
-           f"false with tp_size {tp} / pp_size {pp} (supported with FSDP alone)")
+           f"false with tp_size {tp} / pp_size {pp} (supported with none, ddp and fsdp)")
+    _check(not par.compile, "parallel.compile", True,
+           f"false with tp_size {tp} / pp_size {pp} (supported with none, ddp and fsdp)")
     if pp > 1:
         _validate_pipeline(cfg)
 

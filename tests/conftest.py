@@ -213,15 +213,18 @@ def ray_cluster():
 
 class LayoutRuns:
     """Each layout's run under torchrun (no Ray), trained when a test first asks for it.
-    `layouts` maps a name to (processes, config sections); "one" is one process as
-    configured. `config(root, name, **sections)` builds the job config."""
+    `layouts` maps a name to (processes, config sections), or (processes, sections,
+    environment), the environment's values formatted with ``{root}``; "one" is one
+    process as configured. `config(root, name, **sections)` builds the job config."""
 
     def __init__(self, root: Path, layouts: dict, config):
         self.root, self.layouts, self.config, self._done = root, layouts, config, {}
 
     def __getitem__(self, name: str) -> list[dict]:
         if name not in self._done:
-            nproc, sections = (1, {}) if name == "one" else self.layouts[name]
+            nproc, sections, *env = (1, {}) if name == "one" else self.layouts[name]
             cfg = self.config(self.root, name, **sections)
-            self._done[name] = torchrun_metrics(cfg, self.root / f"{name}.yaml", nproc, timeout=300)
+            self._done[name] = torchrun_metrics(
+                cfg, self.root / f"{name}.yaml", nproc, timeout=300,
+                env={k: v.format(root=self.root) for k, v in (env[0] if env else {}).items()})
         return self._done[name]

@@ -53,13 +53,17 @@ def losses(rows: list[dict]) -> list[float]:
 @pytest.mark.parametrize("patch,field", [
     ({"parallel": {"strategy": "fsdp", "cpu_offload": True}}, "parallel.cpu_offload"),
     ({"parallel": {"strategy": "fsdp", "mixed_precision": True}}, "parallel.mixed_precision"),
-    ({"parallel": {"strategy": "ddp", "activation_checkpointing": True}},
-     "parallel.activation_checkpointing"),
     ({"parallel": {"strategy": "ddp", "reshard_after_forward": False}},
      "parallel.reshard_after_forward"),
     ({"model": {"name": "mlp", "kwargs": {}},
       "parallel": {"strategy": "fsdp", "activation_checkpointing": True}},
      "parallel.activation_checkpointing"),
+    ({"model": {"name": "mlp", "kwargs": {}}, "parallel": {"strategy": "ddp", "compile": True}},
+     "parallel.compile"),
+    ({"parallel": {"strategy": "fsdp", "tp_size": 2, "compile": True}, "scaling": {"num_workers": 2}},
+     "parallel.compile"),
+    ({"parallel": {"pp_size": 2, "compile": True}, "scaling": {"num_workers": 2}}, "parallel.compile"),
+    ({"parallel": {"compile": "yes please"}}, "parallel.compile"),
 ])
 def test_fsdp_options_are_validated(tmp_path, patch, field):
     from raytrain_platform import ConfigError, load_config
@@ -75,6 +79,10 @@ def test_fsdp_options_accepted(tmp_path):
     cfg = load_config(gpt_config(tmp_path, "v", parallel={
         "strategy": "fsdp", "activation_checkpointing": True, "reshard_after_forward": False}))
     assert cfg.parallel.activation_checkpointing and not cfg.parallel.mixed_precision
+    for strategy in ("none", "ddp"):  # activation checkpointing and compile need blocks, not FSDP
+        cfg = load_config(gpt_config(tmp_path, "v", parallel={
+            "strategy": strategy, "activation_checkpointing": True, "compile": True}))
+        assert cfg.parallel.activation_checkpointing and cfg.parallel.compile
     gpu = load_config(gpt_config(tmp_path, "g", parallel={"strategy": "fsdp", "mixed_precision": True,
                                                           "cpu_offload": True},
                                  scaling={"use_gpu": True}))

@@ -164,10 +164,16 @@ LAYOUTS = {
     "ddp2": (2, {"parallel": {"strategy": "ddp"}, "data": {"batch_size": 4}}),
     "fsdp2_accum": (2, {"parallel": {"strategy": "fsdp"}, "data": {"batch_size": 2},
                         "train": {"grad_accum_steps": 2}}),
+    # Each decoder layer, its adapters inside, compiled (TorchInductor), then FSDP2.
+    "fsdp2_compile": (2, {"parallel": {"strategy": "fsdp", "compile": True}, "data": {"batch_size": 4}},
+                      {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-cache"}),
 }
 # The default suite runs DDP with accumulation (no_sync, then one all-reduce) and plain
-# FSDP; plain DDP and FSDP with accumulation run with the extended tests (~30 s each here).
-_EXTENDED = {"ddp2", "fsdp2_accum"}
+# FSDP; plain DDP, FSDP with accumulation and compiled FSDP run with the extended tests
+# (~30 s each here).
+_EXTENDED = {"ddp2", "fsdp2_accum", "fsdp2_compile"}
+# Compiled layers change float rounding (tests/test_hf.py states the same tolerance).
+LAYOUT_RTOL = {"fsdp2_compile": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +193,9 @@ def _losses(rows: list[dict]) -> list[float]:
 def test_lora_layouts_match_one_process(runs, layout):
     one = _losses(runs["one"])
     assert len(one) == 10 and one[-1] < one[0] - 0.03, one  # the adapters learn
-    assert_losses_close(_losses(runs[layout]), one, rtol=RTOL)
+    assert_losses_close(_losses(runs[layout]), one, rtol=LAYOUT_RTOL.get(layout, RTOL))
+    if layout == "fsdp2_compile":  # Inductor built C++ kernels: the layers really ran compiled
+        assert list((runs.root / "inductor-cache").rglob("*.so"))
 
 
 @pytest.mark.slow

@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         if env.is_rank0:
             print(f"error: train failed: NonFiniteError: {exc}", file=sys.stderr)
         return 1
+    except UserError as exc:  # bad input found on a rank (its model folder, its data): one line
+        tracked.finish("FAILED")
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     tracked.log_artifacts([run_dir / CONFIG_FILE])
     tracked.finish()
     if env.is_rank0:

@@ -1,5 +1,6 @@
 """The one place parallelism is composed, in torchtitan's order (``parallelize_llama``):
-pipeline split, then tensor parallel, then activation checkpointing, then FSDP or DDP.
+pipeline split, then tensor parallel, then activation checkpointing, then compile (data
+parallel only), then FSDP or DDP.
 Strategy files do not call each other; what the model contributes (its blocks, its
 tensor-parallel plan, its pipeline split) comes from its family (models/family.py).
 
@@ -36,6 +37,10 @@ def parallelize(model: nn.Module, *, env, cfg, family: "ModelFamily", model_kwar
             from raytrain_platform.parallel.activation_checkpoint import apply_activation_checkpointing
 
             apply_activation_checkpointing(model, blocks=blocks(model))
+        if cfg.compile:
+            from raytrain_platform.parallel.compile import apply_compile
+
+            apply_compile(blocks(model), device=env.device, announce=env.is_rank0)
         return get_strategy(cfg.strategy).load()(model, env=env, cfg=cfg, blocks=blocks(model))
     from raytrain_platform.parallel.mesh import build_mesh
 

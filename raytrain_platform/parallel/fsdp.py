@@ -14,7 +14,7 @@ reduce-scatter; the final micro-step reduces the sum once. ``comm`` counts the
 reduce-scatters that really run (a counting subclass of FSDP's own collective).
 
 Order of techniques follows torchtitan (parallel/compose.py): (TP), activation
-checkpointing, (compile), FSDP.
+checkpointing, compile (parallel/compile.py), FSDP.
 
 Run it (Ray absent)::
 

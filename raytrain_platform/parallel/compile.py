@@ -1,0 +1,67 @@
+"""``parallel.compile``: each of the model's repeated blocks compiled with
+``torch.compile`` (TorchInductor), in place, as torchtitan does (``apply_compile``):
+after activation checkpointing, before FSDP or DDP wraps the model (parallel/compose.py).
+
+Per block, not the whole model: every block is an FSDP unit, so FSDP's all-gathers and
+reduce-scatters stay between compiled graphs, and identical blocks reuse one graph.
+``Module.compile()`` compiles in place, so parameter names, and with them checkpoints,
+exports and resumes, are the same as without it. Compiling happens at the first
+forward (and the first backward) of each block: the first step takes longer.
+
+The fused kernels change float rounding, so a compiled run matches an eager one within
+float tolerance, not bit for bit (tests/test_hf.py states the tolerance).
+
+On a CPU worker TorchInductor builds C++: the worker needs a C++ compiler, found by
+TorchInductor's own search (`require_compiler`), checked when the model is built rather
+than failing inside the first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from raytrain_platform.errors import ConfigError
+
+__all__ = ["apply_compile", "require_compiler"]
+
+
+def require_compiler(device: torch.device) -> None:
+    """A clear error when this process cannot compile for `device`: no C++ compiler on a
+    CPU (TorchInductor's own search: ``$CXX``, else ``g++``), no Triton on a GPU."""
+    if device.type == "cpu":
+        from torch._inductor import config as inductor_config
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.exc import InvalidCxxCompiler
+
+        try:
+            get_cpp_compiler()
+        except InvalidCxxCompiler:
+            tried = [c for c in inductor_config.cpp.cxx if c]
+            raise ConfigError("parallel.compile", True, "false on a CPU worker without a C++ compiler "
+                              f"(TorchInductor builds C++ there and found none of {tried}: install g++, "
+                              "or set CXX to one)") from None
+    elif device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise ConfigError("parallel.compile", True, "false on a GPU worker without Triton "
+                              "(TorchInductor's GPU kernels; pip install triton)")
+
+
+def apply_compile(blocks: Sequence[tuple[str, nn.Module]], *, device: torch.device, announce: bool = False) -> None:
+    """Compile each of `blocks` (``(fully qualified name, module)``) in place; with
+    `announce` (rank 0), say that the first step will take longer."""
+    require_compiler(device)
+    if announce:
+        print(f"parallel.compile: {len(blocks)} blocks compile during the first step (TorchInductor; "
+              "later runs reuse its cache)", flush=True)
+    # A block's guards may hold its own attributes (a decoder layer's index), so each
+    # block can take its own entry; the default limit (8) would send deeper models
+    # back to eager after the 8th block.
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 2 * len(blocks))
+    for _, block in blocks:
+        block.compile()
