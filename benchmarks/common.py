@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -129,3 +130,39 @@ def tabular_data(folder: Path, rows: int, *, features: int = 64, classes: int = 
         write_tabular_parquet(folder, rows=rows, features=features, classes=classes, files=4,
                               row_group_rows=row_group_rows)
     return folder
+
+
+def rotated(sides: dict, repeats: int, settle_s: float,
+            after_repeat: Callable[[dict[str, list[dict]], int], None], *, label: str) -> dict[str, list[dict]]:
+    """`interleaved` repeats, the order turned by one side each repeat (so no side always
+    runs right after a Ray run's teardown), with `settle_s` seconds before each side for
+    the last one's processes to exit; `after_repeat(runs, done)` after each repeat."""
+    names = list(sides)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for i in range(repeats):
+        order = names[i % len(names):] + names[:i % len(names)]
+        got = interleaved({name: lambda _, name=name, i=i: _settled(sides[name], i, settle_s) for name in order}, 1,
+                          label=f"{label} repeat {i + 1}/{repeats}: ")
+        for name in names:
+            runs[name] += got[name]
+        after_repeat(runs, i + 1)
+    return runs
+
+
+def _settled(side: Callable[[str], dict], i: int, settle_s: float) -> dict:
+    """One run of `side` after `settle_s` seconds; a failed run is tried once more, under a
+    new run name (the same name would resume from the failed run's checkpoint)."""
+    for attempt in (1, 2):
+        time.sleep(settle_s)
+        try:
+            # The machine's load as the run ended: other jobs share it. wall_s: the whole
+            # run as a user waits for it (start-up, loading, every step, shutdown).
+            t0 = time.perf_counter()
+            got = side(f"{i}_{attempt}")
+            return {**got, "wall_s": round(time.perf_counter() - t0, 1), "attempts": attempt,
+                    "load_avg_1m": round(load_avg(), 1)}
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            if attempt == 2:
+                raise
+            print(f"run failed, trying once more: {str(exc)[-1500:]}", flush=True)
+    raise AssertionError("unreachable")

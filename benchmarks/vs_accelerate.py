@@ -67,7 +67,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, free_port, interleaved, load_avg, stamp, torchrun_core  # noqa: E402
+from common import ROOT, free_port, rotated, stamp, torchrun_core  # noqa: E402
 
 BENCH = ROOT / "benchmarks"
 ACCELERATE_SCRIPT = BENCH / "_accelerate_finetune.py"
@@ -215,42 +215,6 @@ def accelerate_run(llm: Path, processes: int, size: dict, work: Path, name: str,
             "backend": got["backend"], "torch_threads": got["torch_threads"]}
 
 
-def rotated(sides: dict, repeats: int, settle_s: float,
-            after_repeat: Callable[[dict[str, list[dict]], int], None]) -> dict[str, list[dict]]:
-    """`interleaved` repeats, the order turned by one side each repeat (so no side always
-    runs right after a Ray run's teardown), with `settle_s` seconds before each side for
-    the last one's processes to exit; `after_repeat(runs, done)` after each repeat."""
-    names = list(sides)
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    for i in range(repeats):
-        order = names[i % len(names):] + names[:i % len(names)]
-        got = interleaved({name: lambda _, name=name, i=i: _settled(sides[name], i, settle_s) for name in order}, 1,
-                          label=f"vs_accelerate repeat {i + 1}/{repeats}: ")
-        for name in names:
-            runs[name] += got[name]
-        after_repeat(runs, i + 1)
-    return runs
-
-
-def _settled(side: Callable[[str], dict], i: int, settle_s: float) -> dict:
-    """One run of `side` after `settle_s` seconds; a failed run is tried once more, under a
-    new run name (the same name would resume from the failed run's checkpoint)."""
-    for attempt in (1, 2):
-        time.sleep(settle_s)
-        try:
-            # The machine's load as the run ended: other jobs share it. wall_s: the whole
-            # run as a user waits for it (start-up, loading, every step, shutdown).
-            t0 = time.perf_counter()
-            got = side(f"{i}_{attempt}")
-            return {**got, "wall_s": round(time.perf_counter() - t0, 1), "attempts": attempt,
-                    "load_avg_1m": round(load_avg(), 1)}
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            if attempt == 2:
-                raise
-            print(f"run failed, trying once more: {str(exc)[-1500:]}", flush=True)
-    raise AssertionError("unreachable")
-
-
 SIDES = ("ray", "torchrun", "accelerate")
 # --compile: each side again with torch.compile (the platform's parallel.compile: each
 # decoder layer; Accelerate's --dynamo_backend inductor: the whole model), same run.
@@ -326,7 +290,8 @@ def measure(work: Path, *, smoke: bool, repeats: int | None = None, processes: l
                 llm, n, size, work / "accelerate", f"acc{sfx}_{n}p_{tag}", c)
     model_vocab = json.loads((llm / "model" / "config.json").read_text())["vocab_size"]
     runs = rotated(sides, repeats, size["settle_s"],
-                   lambda runs, done: on_repeat(_result(runs, processes, size, done, repeats, model_vocab)))
+                   lambda runs, done: on_repeat(_result(runs, processes, size, done, repeats, model_vocab)),
+                   label="vs_accelerate")
     return _result(runs, processes, size, repeats, repeats, model_vocab)
 
 

@@ -613,10 +613,10 @@ def _validate_parallel_dims(cfg: JobConfig) -> None:
            f"1 when parallel.tp_size is {tp} (TP x PP in one job is not supported; use one of them)")
     _check(par.strategy != "ddp" or tp == 1 or dp == 1, "parallel.strategy", par.strategy,
            f"'fsdp' for data parallel over tensor-parallel groups (tp_size {tp} x dp {dp}: TP x FSDP)")
-    _check(not par.activation_checkpointing, "parallel.activation_checkpointing", True,
-           f"false with tp_size {tp} / pp_size {pp} (supported with none, ddp and fsdp)")
-    _check(not par.compile, "parallel.compile", True,
-           f"false with tp_size {tp} / pp_size {pp} (supported with none, ddp and fsdp)")
+    for name in ("activation_checkpointing", "compile"):
+        _check(not getattr(par, name), f"parallel.{name}", True,
+               f"false unless tp_size and pp_size are 1 (they are {tp} and {pp}): it works on the "
+               "data-parallel strategies none, ddp and fsdp")
     if pp > 1:
         _validate_pipeline(cfg)
 

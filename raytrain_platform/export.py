@@ -154,7 +154,7 @@ def load_hf_directory(path: Path) -> tuple[nn.Module, dict]:
     family = get_family("hf")
     try:
         kwargs = family.resolve_kwargs({"path": str(path)})
-        family.precheck(kwargs, block_class=None, needs_blocks=False)
+        family.precheck(kwargs, block_class=None, needs_blocks=None)
     except ConfigError as exc:
         raise CheckpointError(f"{path}: not a servable Hugging Face model ({exc})") from None
     step_metrics = _read_export_info(path) if (path / EXPORT_INFO_FILE).is_file() else {"step": 0, "metrics": {}}

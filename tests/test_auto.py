@@ -80,13 +80,13 @@ def test_bad_auto_configs_are_one_line_errors(tmp_path, patch, field):
 
 
 def test_a_setting_that_does_not_go_with_the_plans_choice_says_what_auto_became(tmp_path):
-    # activation checkpointing is an FSDP option; at 1 GiB the plan picks DDP
+    # reshard_after_forward is an FSDP option; at 1 GiB the plan picks DDP
     cfg = _cfg(tmp_path, "1GiB")
-    cfg["parallel"]["activation_checkpointing"] = True
+    cfg["parallel"]["reshard_after_forward"] = False
     with pytest.raises(ConfigError) as err:
         prepare(cfg)
     msg = str(err.value)
-    assert err.value.field == "parallel.activation_checkpointing" and "\n" not in msg
+    assert err.value.field == "parallel.reshard_after_forward" and "\n" not in msg
     assert "the auto fields became parallel.strategy ddp" in msg and "set them explicitly" in msg
 
 

@@ -160,9 +160,6 @@ def test_vs_accelerate_smoke(tmp_path):
     # Measured: equal to 5 decimals (fused vs default AdamW, and compiled kernels, differ only in rounding).
     for side in ("ray", "torchrun", "ray_compiled", "torchrun_compiled", "accelerate_compiled"):
         assert entry[f"loss_max_abs_diff_{side}"] < 1e-3, entry
-    # compiled against compiled (the figures are rounded to 0.1 tokens/s, the ratio to 0.001)
-    ratio = entry["ray_compiled_tokens_per_s"] / entry["accelerate_compiled_tokens_per_s"]
-    assert abs(entry["ratio_ray_compiled"] - ratio) < 2e-3, entry
 
 
 @pytest.mark.extended  # one 2-worker Ray Train run over 2 epochs, tiny: ~40 s

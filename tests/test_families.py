@@ -199,6 +199,23 @@ def test_what_can_be_checked_before_ray_is_checked_then(tmp_path, patch, field, 
     assert proc.stdout == ""
 
 
+def test_compile_and_checkpointing_need_blocks_and_say_which_field_asked():
+    """A user model whose blocks cannot be found: the field that needs them is named,
+    before Ray (precheck), and `apply_compile` given no blocks says the same."""
+    from raytrain_platform import ConfigError
+    from raytrain_platform.models import get_family
+    from raytrain_platform.parallel.compile import apply_compile
+
+    fam = get_family("user_models:no_linear")  # a Sequential of a reshape, a Conv1d, a flatten
+    fam.precheck({}, block_class=None, needs_blocks=None)
+    for field in ("parallel.activation_checkpointing", "parallel.compile"):
+        with pytest.raises(ConfigError) as err:
+            fam.precheck({}, block_class=None, needs_blocks=field)
+        assert err.value.field == field and "model.block_class" in str(err.value)
+    with pytest.raises(ConfigError, match=r"parallel.compile = True: expected false for a model without"):
+        apply_compile([], device=torch.device("cpu"))
+
+
 def test_gpt_seq_len_defaults_to_block_size_and_may_not_exceed_it(tmp_path):
     from raytrain_platform import ConfigError, load_config
 

@@ -160,8 +160,10 @@ class ModelFamily:
                  if type(f).check_model_parallel is not ModelFamily.check_model_parallel]
         return ", ".join(names)
 
-    def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: bool) -> None:
-        """What can be checked before Ray starts (user builders: import, kwargs, type)."""
+    def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: str | None) -> None:
+        """What can be checked before Ray starts (user builders: import, kwargs, type).
+        `needs_blocks`: the config field set that works on the model's blocks
+        (``parallel.activation_checkpointing``, ``parallel.compile``), or None."""
 
     # ---- the module ------------------------------------------------------------------
     def build(self, kwargs: dict, *, device: "str | torch.device | None" = None) -> "nn.Module":

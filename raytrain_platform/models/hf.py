@@ -171,7 +171,7 @@ class HFFamily(ModelFamily):
     def vocab_size(self, kwargs: dict) -> int | None:
         return self._config(kwargs).get("vocab_size")
 
-    def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: bool) -> None:
+    def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: str | None) -> None:
         self.auto_config(kwargs)
 
     def auto_config(self, kwargs: dict) -> Any:

@@ -10,7 +10,7 @@ sample. Before Ray starts, the builder is imported, its kwargs bound to its sign
 and the module built on the meta device (no memory) to check what it returns.
 
 >>> fam = UserFamily("collections:OrderedDict")
->>> fam.precheck({}, block_class=None, needs_blocks=False)
+>>> fam.precheck({}, block_class=None, needs_blocks=None)
 Traceback (most recent call last):
 ...
 raytrain_platform.errors.ConfigError: model.name = 'collections:OrderedDict': expected a function returning torch.nn.Module (it returned OrderedDict)
@@ -89,7 +89,7 @@ class UserFamily(ModelFamily):
         with torch.device(device or "cpu"):
             return self._checked(fn(**kwargs))
 
-    def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: bool) -> None:
+    def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: str | None) -> None:
         fn = load_user_builder(self.name)
         try:
             inspect.signature(fn).bind(**kwargs)
@@ -107,7 +107,7 @@ class UserFamily(ModelFamily):
             raise ConfigError("model.name", self.name, f"a builder that runs with model.kwargs "
                               f"{kwargs} (it raised {type(exc).__name__}: {first})") from None
         blocks = self.blocks(model, block_class=block_class)
-        if needs_blocks and not blocks:
-            raise ConfigError("parallel.activation_checkpointing", True,
+        if needs_blocks and not blocks:  # the field that works on blocks
+            raise ConfigError(needs_blocks, True,
                               f"false for model '{self.name}': it has no repeated blocks (no "
                               "nn.ModuleList of one class); name their class with model.block_class")

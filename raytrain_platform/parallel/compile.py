@@ -3,7 +3,7 @@
 after activation checkpointing, before FSDP or DDP wraps the model (parallel/compose.py).
 
 Per block, not the whole model: every block is an FSDP unit, so FSDP's all-gathers and
-reduce-scatters stay between compiled graphs, and identical blocks reuse one graph.
+reduce-scatters stay between compiled graphs, and blocks of one class share a graph.
 ``Module.compile()`` compiles in place, so parameter names, and with them checkpoints,
 exports and resumes, are the same as without it. Compiling happens at the first
 forward (and the first backward) of each block: the first step takes longer.
@@ -53,15 +53,28 @@ def require_compiler(device: torch.device) -> None:
 
 def apply_compile(blocks: Sequence[tuple[str, nn.Module]], *, device: torch.device, announce: bool = False) -> None:
     """Compile each of `blocks` (``(fully qualified name, module)``) in place; with
-    `announce` (rank 0), say that the first step will take longer."""
+    `announce` (rank 0), say that the first step will take longer. As composed in
+    parallel/compose.py::
+
+        apply_activation_checkpointing(model, blocks=blocks(model))   # if asked
+        apply_compile(blocks(model), device=env.device, announce=env.is_rank0)
+        apply_fsdp(model, env=env, cfg=cfg, blocks=blocks(model))
+    """
+    if not blocks:  # JobConfig refuses models without blocks; direct callers get the same line
+        raise ConfigError("parallel.compile", True, "false for a model without repeated blocks "
+                          "(name their class with model.block_class)")
     require_compiler(device)
     if announce:
         print(f"parallel.compile: {len(blocks)} blocks compile during the first step (TorchInductor; "
               "later runs reuse its cache)", flush=True)
-    # A block's guards may hold its own attributes (a decoder layer's index), so each
-    # block can take its own entry; the default limit (8) would send deeper models
-    # back to eager after the 8th block.
+    # Blocks of one class share a graph, but each grad mode (training; evaluation under
+    # no_grad) and each new shape takes an entry, and a block's guards may hold its own
+    # attributes: room for several entries per block, or later blocks would run eager
+    # past the default limit (8). Only ever raised. (torch < 2.7 names: *cache_size_limit.)
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 2 * len(blocks))
+    for new, old, floor in (("recompile_limit", "cache_size_limit", max(64, 4 * len(blocks))),
+                            ("accumulated_recompile_limit", "accumulated_cache_size_limit", 8 * len(blocks))):
+        name = new if hasattr(config, new) else old
+        setattr(config, name, max(getattr(config, name), floor))
     for _, block in blocks:
         block.compile()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
+from raytrain_platform.errors import ConfigError
 from raytrain_platform.parallel.base import Parallelized
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.parallel.registry import get_strategy
@@ -44,6 +45,9 @@ def parallelize(model: nn.Module, *, env, cfg, family: "ModelFamily", model_kwar
         return get_strategy(cfg.strategy).load()(model, env=env, cfg=cfg, blocks=blocks(model))
     from raytrain_platform.parallel.mesh import build_mesh
 
+    for name in ("activation_checkpointing", "compile"):  # JobConfig refuses these; direct callers too
+        if getattr(cfg, name):
+            raise ConfigError(f"parallel.{name}", True, "false unless tp_size and pp_size are 1")
     dims = ParallelDims(dp=env.world_size // (cfg.tp_size * cfg.pp_size), tp=cfg.tp_size, pp=cfg.pp_size)
     mesh = build_mesh(env, dims)
     if cfg.pp_size > 1:
