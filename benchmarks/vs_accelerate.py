@@ -141,7 +141,7 @@ def _platform_figures(rows: list[dict], processes: int, size: dict) -> dict:
             "losses": [r["loss"] for r in rows]}
 
 
-def _write_config(llm: Path, processes: int, size: dict, storage: Path, name: str, compiled: bool) -> Path:
+def _write_config(llm: Path, processes: int, size: dict, storage: Path, name: str, compiled: bool = False) -> Path:
     import yaml
 
     path = storage / f"{name}.yaml"
