@@ -501,6 +501,9 @@ class JobConfig:
                f"false for model '{self.model.name}' (it has no repeated blocks to checkpoint)")
         _check(family.has_blocks or not par.compile, "parallel.compile", par.compile,
                f"false for model '{self.model.name}' (blocks are what is compiled, and it has none)")
+        _check(not (par.compile and par.activation_checkpointing), "parallel.compile", par.compile,
+               "false with parallel.activation_checkpointing: a checkpointed Hugging Face layer runs eager "
+               "under compile, and compiling before checkpointing fails PyTorch's recompute check; use one")
         task = self.model.task
         if task == "lm":
             seq_len = self.seq_len

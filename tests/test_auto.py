@@ -50,7 +50,8 @@ def test_strategy_follows_the_decision_guide(tmp_path, budget, strategy, tp, lab
 def test_auto_keeps_to_data_parallel_when_compile_or_checkpointing_is_on(tmp_path):
     # At 40 MiB the plan picks TP x FSDP (above). Compile and activation checkpointing
     # work on data-parallel layouts only, so the plan keeps to those: with checkpointing,
-    # FSDP at micro-batch 1 fits; compiled, nothing does, and it says so (not "tp_size").
+    # FSDP at micro-batch 1 fits; compiled, nothing does, and it says so (not "tp_size"),
+    # naming checkpointing and LoRA as ways out.
     cfg = _cfg(tmp_path, "40MiB", global_batch=16)
     cfg["parallel"]["activation_checkpointing"] = True
     par = prepare(cfg).config.parallel
@@ -59,8 +60,10 @@ def test_auto_keeps_to_data_parallel_when_compile_or_checkpointing_is_on(tmp_pat
     cfg["parallel"]["compile"] = True
     with pytest.raises(ConfigError) as err:
         prepare(cfg)
-    assert err.value.field == "parallel.strategy" and "none does" in str(err.value), err.value
-    assert "tp_size" not in str(err.value) and "\n" not in str(err.value)
+    msg = str(err.value)
+    assert err.value.field == "parallel.strategy" and "none does" in msg, msg
+    assert "tp_size" not in msg and "\n" not in msg
+    assert "LoRA fits" in msg and "activation checkpointing" in msg, msg  # the ways out still named
 
 
 def test_micro_batch_is_the_largest_that_fits(tmp_path):

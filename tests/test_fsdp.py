@@ -64,6 +64,7 @@ def losses(rows: list[dict]) -> list[float]:
      "parallel.compile"),
     ({"parallel": {"pp_size": 2, "compile": True}, "scaling": {"num_workers": 2}}, "parallel.compile"),
     ({"parallel": {"compile": "yes please"}}, "parallel.compile"),
+    ({"parallel": {"strategy": "ddp", "compile": True, "activation_checkpointing": True}}, "parallel.compile"),
 ])
 def test_fsdp_options_are_validated(tmp_path, patch, field):
     from raytrain_platform import ConfigError, load_config
@@ -80,9 +81,9 @@ def test_fsdp_options_accepted(tmp_path):
         "strategy": "fsdp", "activation_checkpointing": True, "reshard_after_forward": False}))
     assert cfg.parallel.activation_checkpointing and not cfg.parallel.mixed_precision
     for strategy in ("none", "ddp"):  # activation checkpointing and compile need blocks, not FSDP
-        cfg = load_config(gpt_config(tmp_path, "v", parallel={
-            "strategy": strategy, "activation_checkpointing": True, "compile": True}))
-        assert cfg.parallel.activation_checkpointing and cfg.parallel.compile
+        for name in ("activation_checkpointing", "compile"):
+            cfg = load_config(gpt_config(tmp_path, "v", parallel={"strategy": strategy, name: True}))
+            assert getattr(cfg.parallel, name)
     gpu = load_config(gpt_config(tmp_path, "g", parallel={"strategy": "fsdp", "mixed_precision": True,
                                                           "cpu_offload": True},
                                  scaling={"use_gpu": True}))

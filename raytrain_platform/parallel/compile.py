@@ -1,6 +1,12 @@
 """``parallel.compile``: each of the model's repeated blocks compiled with
-``torch.compile`` (TorchInductor), in place, as torchtitan does (``apply_compile``):
-after activation checkpointing, before FSDP or DDP wraps the model (parallel/compose.py).
+``torch.compile`` (TorchInductor), in place, as torchtitan does (``apply_compile``),
+before FSDP or DDP wraps the model (parallel/compose.py).
+
+Not with activation checkpointing (the config refuses the pair): a checkpointed
+Hugging Face decoder layer does not trace (its forward mutates a context variable
+inside the checkpoint, so dynamo falls back to eager and nothing is compiled), and a
+block compiled first and checkpointed after can fail PyTorch's recompute check when
+the forward and the recompute pick different compiled graphs (pytorch#166926).
 
 Per block, not the whole model: every block is an FSDP unit, so FSDP's all-gathers and
 reduce-scatters stay between compiled graphs, and blocks of one class share a graph.
@@ -56,11 +62,10 @@ def apply_compile(blocks: Sequence[tuple[str, nn.Module]], *, device: torch.devi
     `announce` (rank 0), say that the first step will take longer. As composed in
     parallel/compose.py::
 
-        apply_activation_checkpointing(model, blocks=blocks(model))   # if asked
         apply_compile(blocks(model), device=env.device, announce=env.is_rank0)
         apply_fsdp(model, env=env, cfg=cfg, blocks=blocks(model))
     """
-    if not blocks:  # JobConfig refuses models without blocks; direct callers get the same line
+    if not blocks:  # the config and resolve_job's precheck refuse these first; this is the last word
         raise ConfigError("parallel.compile", True, "false for a model without repeated blocks "
                           "(name their class with model.block_class)")
     require_compiler(device)

@@ -38,7 +38,7 @@ def parallelize(model: nn.Module, *, env, cfg, family: "ModelFamily", model_kwar
             from raytrain_platform.parallel.activation_checkpoint import apply_activation_checkpointing
 
             apply_activation_checkpointing(model, blocks=blocks(model))
-        if cfg.compile:
+        if cfg.compile:  # not with activation checkpointing (config.py says why)
             from raytrain_platform.parallel.compile import apply_compile
 
             apply_compile(blocks(model), device=env.device, announce=env.is_rank0)

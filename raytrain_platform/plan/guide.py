@@ -354,7 +354,9 @@ def make_plan(*, model: ModelShape, device_memory: int, devices_per_node: int = 
 def _lora_instead(req: PlanRequest, reasons: list[str]) -> tuple[Option | None, LoraSize | None]:
     """Full fine-tuning fits nowhere: would LoRA (the base frozen: no gradients or
     optimizer state for it) fit? If so, say how, as one more reason."""
-    if req.lora is not None or req.model.kind != "transformer" or req.tp or req.pp:
+    # Pinned TP/PP sizes above 1 are a model-parallel request; pins of 1 (auto with compile
+    # or activation checkpointing: data parallel only) still take LoRA.
+    if req.lora is not None or req.model.kind != "transformer" or (req.tp or 1) > 1 or (req.pp or 1) > 1:
         return None, None
     size = lora_size(req.model, r=DEFAULT_R, targets=DEFAULT_TARGETS)
     alt = make_plan(**{**req.__dict__, "lora": size})
