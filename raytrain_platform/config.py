@@ -298,6 +298,12 @@ class ParallelConfig:
 
     _FSDP_ONLY: ClassVar[dict[str, bool]] = {
         "mixed_precision": False, "reshard_after_forward": True, "cpu_offload": False}
+    # Options that work on the model's repeated blocks, on data-parallel layouts only.
+    BLOCK_OPTIONS: ClassVar[dict[str, str]] = {"activation_checkpointing": "checkpoint", "compile": "compile"}
+
+    def block_options_set(self) -> list[str]:
+        """The `BLOCK_OPTIONS` turned on, as config fields (``parallel.compile``...)."""
+        return [f"parallel.{name}" for name in self.BLOCK_OPTIONS if getattr(self, name)]
 
     def __post_init__(self) -> None:
         _check(self.strategy in STRATEGIES or self.strategy == "auto", "parallel.strategy",
@@ -496,11 +502,9 @@ class JobConfig:
             _check(self.scaling.use_gpu or not getattr(par, name), f"parallel.{name}",
                    getattr(par, name), "false when scaling.use_gpu is false (GPU-only FSDP option)")
         family = get_family(self.model.name)
-        _check(family.has_blocks or not par.activation_checkpointing,
-               "parallel.activation_checkpointing", par.activation_checkpointing,
-               f"false for model '{self.model.name}' (it has no repeated blocks to checkpoint)")
-        _check(family.has_blocks or not par.compile, "parallel.compile", par.compile,
-               f"false for model '{self.model.name}' (blocks are what is compiled, and it has none)")
+        for name, verb in par.BLOCK_OPTIONS.items():
+            _check(family.has_blocks or not getattr(par, name), f"parallel.{name}", getattr(par, name),
+                   f"false for model '{self.model.name}' (it has no repeated blocks to {verb})")
         _check(not (par.compile and par.activation_checkpointing), "parallel.compile", par.compile,
                "false with parallel.activation_checkpointing: a checkpointed Hugging Face layer runs eager "
                "under compile, and compiling before checkpointing fails PyTorch's recompute check; use one")
@@ -616,10 +620,9 @@ def _validate_parallel_dims(cfg: JobConfig) -> None:
            f"1 when parallel.tp_size is {tp} (TP x PP in one job is not supported; use one of them)")
     _check(par.strategy != "ddp" or tp == 1 or dp == 1, "parallel.strategy", par.strategy,
            f"'fsdp' for data parallel over tensor-parallel groups (tp_size {tp} x dp {dp}: TP x FSDP)")
-    for name in ("activation_checkpointing", "compile"):
-        _check(not getattr(par, name), f"parallel.{name}", True,
-               f"false unless tp_size and pp_size are 1 (they are {tp} and {pp}): it works on the "
-               "data-parallel strategies none, ddp and fsdp")
+    for field in par.block_options_set():
+        raise ConfigError(field, True, f"false unless tp_size and pp_size are 1 (they are {tp} and {pp}): "
+                          "it works on the data-parallel strategies none, ddp and fsdp")
     if pp > 1:
         _validate_pipeline(cfg)
 

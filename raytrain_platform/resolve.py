@@ -95,9 +95,7 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
     if kwargs != cfg.model.kwargs:
         cfg = cfg.replace({"model.kwargs": kwargs})
     # User builders: imported, called with their kwargs on the meta device (no memory).
-    par = cfg.parallel
-    needs_blocks = next((f"parallel.{name}" for name in ("activation_checkpointing", "compile")
-                         if getattr(par, name)), None)
+    needs_blocks = next(iter(cfg.parallel.block_options_set()), None)
     family.precheck(cfg.model.kwargs, block_class=cfg.model.block_class, needs_blocks=needs_blocks)
     if cfg.model.lora is not None:  # every target names Linear modules (a meta-device build: no memory)
         check_targets(family.build(cfg.model.kwargs, device="meta"), cfg.model.lora, model_name=cfg.model.name)

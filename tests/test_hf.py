@@ -205,7 +205,7 @@ def test_every_layout_matches_one_process(runs, layout):
     assert len(one) == 10 and one[-1] < one[0] - 0.5, one  # pretrained tiny model still learns the data
     assert_losses_close(_losses(runs[layout]), one, rtol=RTOL)
     if "compile" in layout:  # Inductor built C++ kernels in the run's own cache: it really compiled
-        cache = runs.root / runs.layouts[layout][2]["TORCHINDUCTOR_CACHE_DIR"].format(root="").lstrip("/")
+        cache = Path(runs.layouts[layout][2]["TORCHINDUCTOR_CACHE_DIR"].format(root=runs.root))
         assert list(cache.rglob("*.so")), cache
 
 

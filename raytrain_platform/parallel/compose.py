@@ -45,9 +45,8 @@ def parallelize(model: nn.Module, *, env, cfg, family: "ModelFamily", model_kwar
         return get_strategy(cfg.strategy).load()(model, env=env, cfg=cfg, blocks=blocks(model))
     from raytrain_platform.parallel.mesh import build_mesh
 
-    for name in ("activation_checkpointing", "compile"):  # JobConfig refuses these; direct callers too
-        if getattr(cfg, name):
-            raise ConfigError(f"parallel.{name}", True, "false unless tp_size and pp_size are 1")
+    for field in cfg.block_options_set():  # JobConfig refuses these; direct callers too
+        raise ConfigError(field, True, "false unless tp_size and pp_size are 1")
     dims = ParallelDims(dp=env.world_size // (cfg.tp_size * cfg.pp_size), tp=cfg.tp_size, pp=cfg.pp_size)
     mesh = build_mesh(env, dims)
     if cfg.pp_size > 1:
