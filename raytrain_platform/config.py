@@ -298,7 +298,7 @@ class ParallelConfig:
 
     _FSDP_ONLY: ClassVar[dict[str, bool]] = {
         "mixed_precision": False, "reshard_after_forward": True, "cpu_offload": False}
-    # Options that work on the model's repeated blocks, on data-parallel layouts only.
+    # Options that work on the model's repeated blocks, on every layout (parallel/compose.py).
     BLOCK_OPTIONS: ClassVar[dict[str, str]] = {"activation_checkpointing": "checkpoint", "compile": "compile"}
 
     def block_options_set(self) -> list[str]:
@@ -589,10 +589,17 @@ class JobConfig:
         lora = self.model.lora
         adapters = (f" with LoRA r {lora['r']} on {', '.join(lora['target_modules'])} (only the adapters train)"
                     if lora else "")
+        par = self.parallel
+        split = [f"tp {par.tp_size}" if par.tp_size > 1 else "",
+                 f"pp {par.pp_size} {par.pp_schedule}" if par.pp_size > 1 else ""]
+        blocks = " and ".join({"parallel.activation_checkpointing": "checkpointed",
+                               "parallel.compile": "compiled (TorchInductor, during the first step)"}[f]
+                              for f in par.block_options_set())
         return (f"run '{self.run.name}': model {self.model.name} ({self.model.task}){adapters} on {d.source} data; "
-                f"{self.parallel.strategy} x {s.num_workers} worker(s) "
+                f"{par.strategy} x {s.num_workers} worker(s) "
                 f"{f'(elastic, from {s.min_workers}) ' if s.elastic else ''}"
-                f"({'GPU' if s.use_gpu else 'CPU'}); micro-batch {d.batch_size} x accum "
+                f"({', '.join([x for x in split if x] + ['GPU' if s.use_gpu else 'CPU'])})"
+                f"{f'; blocks {blocks}' if blocks else ''}; micro-batch {d.batch_size} x accum "
                 f"{t.grad_accum_steps} = global batch {global_batch}; {stop}; "
                 f"run dir {self.run.run_dir}")
 
@@ -620,9 +627,6 @@ def _validate_parallel_dims(cfg: JobConfig) -> None:
            f"1 when parallel.tp_size is {tp} (TP x PP in one job is not supported; use one of them)")
     _check(par.strategy != "ddp" or tp == 1 or dp == 1, "parallel.strategy", par.strategy,
            f"'fsdp' for data parallel over tensor-parallel groups (tp_size {tp} x dp {dp}: TP x FSDP)")
-    for field in par.block_options_set():
-        raise ConfigError(field, True, f"false unless tp_size and pp_size are 1 (they are {tp} and {pp}): "
-                          "it works on the data-parallel strategies none, ddp and fsdp")
     if pp > 1:
         _validate_pipeline(cfg)
 

@@ -47,23 +47,26 @@ def test_strategy_follows_the_decision_guide(tmp_path, budget, strategy, tp, lab
     assert budget in job.notes[0]  # says where the memory figure came from
 
 
-def test_auto_keeps_to_data_parallel_when_compile_or_checkpointing_is_on(tmp_path):
-    # At 40 MiB the plan picks TP x FSDP (above). Compile and activation checkpointing
-    # work on data-parallel layouts only, so the plan keeps to those: with checkpointing,
-    # FSDP at micro-batch 1 fits; compiled, nothing does, and it says so (not "tp_size"),
-    # naming checkpointing and LoRA as ways out.
-    cfg = _cfg(tmp_path, "40MiB", global_batch=16)
-    cfg["parallel"]["activation_checkpointing"] = True
-    par = prepare(cfg).config.parallel
-    assert (par.strategy, par.tp_size, par.pp_size) == ("fsdp", 1, 1), par
-    cfg = _cfg(tmp_path, "40MiB", global_batch=16)
-    cfg["parallel"]["compile"] = True
+def test_auto_plans_any_layout_with_compile_or_checkpointing_on(tmp_path):
+    # Compile and activation checkpointing work on every layout, so the plan is not
+    # pinned to data parallel. At 40 MiB the plan picks TP x FSDP (above), compiled too
+    # (compile does not change the memory). Checkpointing keeps only block inputs: FSDP
+    # alone then fits at 40 MiB; at 28 MiB it does not, and TP x FSDP with checkpointing
+    # does. At 26 MiB nothing fits, and the ways out no longer name checkpointing.
+    def plan(budget, **parallel):
+        cfg = _cfg(tmp_path, budget, global_batch=16)
+        cfg["parallel"].update(parallel)
+        return prepare(cfg).config.parallel
+
+    par = plan("40MiB", compile=True)
+    assert (par.strategy, par.tp_size, par.compile) == ("fsdp", 2, True), par
+    assert plan("40MiB", activation_checkpointing=True).tp_size == 1
+    assert plan("28MiB", activation_checkpointing=True).tp_size == 2
     with pytest.raises(ConfigError) as err:
-        prepare(cfg)
+        plan("26MiB", activation_checkpointing=True)
     msg = str(err.value)
-    assert err.value.field == "parallel.strategy" and "none does" in msg, msg
-    assert "tp_size" not in msg and "\n" not in msg
-    assert "LoRA fits" in msg and "activation checkpointing" in msg, msg  # the ways out still named
+    assert err.value.field == "parallel.strategy" and "none does" in msg and "\n" not in msg, msg
+    assert "activation checkpointing" not in msg and "LoRA fits" in msg, msg
 
 
 def test_micro_batch_is_the_largest_that_fits(tmp_path):

@@ -178,7 +178,15 @@ LAYOUTS = {
     # Each decoder layer compiled (TorchInductor), then FSDP2 units over them; Inductor's
     # cache in the run's own folder, where its compiled kernels show it really compiled.
     "fsdp2_compile": (2, {"parallel": {"strategy": "fsdp", "compile": True}, "data": {"batch_size": 4}},
-                      {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-cache"}),
+                      {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-fsdp2"}),
+    # After TP: each layer checkpointed, or compiled (the first layer fed by the
+    # vocabulary-split embedding), then FSDP2 over the data-parallel pairs.
+    "tp2_ac": (2, {"parallel": {"tp_size": 2, "activation_checkpointing": True}}),
+    "tp2_compile": (2, {"parallel": {"tp_size": 2, "compile": True}},
+                    {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-tp2"}),
+    "tp2_fsdp2_compile": (4, {"parallel": {"tp_size": 2, "strategy": "fsdp", "compile": True},
+                              "data": {"batch_size": 4}},
+                          {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-tp2-fsdp2"}),
 }
 # Compiled layers fuse elementwise kernels, which may change float rounding; on this
 # model they stay within the eager layouts' tolerance (measured: 8.8e-8 relative at
@@ -192,9 +200,10 @@ def runs(tmp_path_factory, tiny) -> LayoutRuns:
                       lambda root, name, **sections: hf_config(root, name, tiny["model"], **sections))
 
 
-# The 4-process TP x FSDP and the activation-checkpointing layouts run with the extended
-# tests (pytest -m extended): the default suite keeps DDP, FSDP, TP and compiled FSDP.
-_EXTENDED = {"tp2_fsdp2", "fsdp2_ac", "ddp2_ac"}
+# The 4-process TP x FSDP and the data-parallel activation-checkpointing layouts run with
+# the extended tests (pytest -m extended): the default suite keeps DDP, FSDP, TP, compiled
+# FSDP and TP, and TP with checkpointing.
+_EXTENDED = {"tp2_fsdp2", "fsdp2_ac", "ddp2_ac", "tp2_fsdp2_compile"}
 
 
 @pytest.mark.slow
@@ -210,21 +219,23 @@ def test_every_layout_matches_one_process(runs, layout):
 
 
 @pytest.mark.slow
-def test_a_compiled_run_checkpoints_the_models_own_parameter_names(runs):
+@pytest.mark.parametrize("layout, eager_layout", [("fsdp2_compile", "fsdp2"), ("tp2_compile", "tp2"),
+                                                  ("tp2_ac", "tp2")])
+def test_compiled_and_checkpointed_runs_save_the_models_own_parameter_names(runs, layout, eager_layout):
     """`parallel.compile` compiles each layer in place (TorchInductor built C++ kernels
-    for them): the checkpoint has the model's own names (no ``_orig_mod``), so it loads
-    for inference without compile, and its weights are the eager FSDP run's within
-    float rounding."""
+    for them), and activation checkpointing wraps it: either way the checkpoint (FSDP's
+    or TP's DTensor shards) has the model's own names (no ``_orig_mod`` or wrapper
+    prefix), so it loads for inference without either, and its weights are the eager
+    run's of the same layout within float rounding."""
     from raytrain_platform.export import load_model_for_inference
 
-    runs["fsdp2"], runs["fsdp2_compile"]
-    kernels = list((runs.root / "inductor-cache").rglob("*.so"))  # C++ kernels Inductor built for the layers
-    assert kernels, sorted(p.name for p in (runs.root / "inductor-cache").rglob("*"))[:20]
-    eager, _, _ = load_model_for_inference(runs.root / "fsdp2")
-    compiled, _, info = load_model_for_inference(runs.root / "fsdp2_compile")
+    runs[eager_layout], runs[layout]
+    eager, _, _ = load_model_for_inference(runs.root / eager_layout)
+    compiled, _, info = load_model_for_inference(runs.root / layout)
     assert info["step"] == 10
     names = [name for name, _ in compiled.named_parameters()]
-    assert names == [name for name, _ in eager.named_parameters()] and not any("_orig_mod" in n for n in names)
+    assert names == [name for name, _ in eager.named_parameters()]
+    assert not any("_orig_mod" in n or "checkpoint" in n for n in names), names
     start = eager.state_dict()
     for name, value in compiled.state_dict().items():
         torch.testing.assert_close(value, start[name], rtol=1e-3, atol=1e-5)

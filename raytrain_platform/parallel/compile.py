@@ -1,6 +1,7 @@
 """``parallel.compile``: each of the model's repeated blocks compiled with
-``torch.compile`` (TorchInductor), in place, as torchtitan does (``apply_compile``),
-before FSDP or DDP wraps the model (parallel/compose.py).
+``torch.compile`` (TorchInductor), in place, as torchtitan does (``apply_compile``):
+after tensor parallelism shards them (DTensor traces into the graph) and on each
+pipeline stage, before FSDP or DDP wraps the model (parallel/compose.py).
 
 Not with activation checkpointing (the config refuses the pair): a checkpointed
 Hugging Face decoder layer does not trace (its forward mutates a context variable

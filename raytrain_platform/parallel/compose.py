@@ -1,6 +1,7 @@
 """The one place parallelism is composed, in torchtitan's order (``parallelize_llama``):
-pipeline split, then tensor parallel, then activation checkpointing, then compile (data
-parallel only), then FSDP or DDP.
+pipeline split, then tensor parallel, then activation checkpointing or compile on the
+repeated blocks (of the whole model, the TP-sharded one, or each pipeline stage), then
+FSDP or DDP.
 Strategy files do not call each other; what the model contributes (its blocks, its
 tensor-parallel plan, its pipeline split) comes from its family (models/family.py).
 
@@ -14,7 +15,6 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
-from raytrain_platform.errors import ConfigError
 from raytrain_platform.parallel.base import Parallelized
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.parallel.registry import get_strategy
@@ -34,19 +34,10 @@ def parallelize(model: nn.Module, *, env, cfg, family: "ModelFamily", model_kwar
         return family.blocks(m, block_class=block_class)
 
     if cfg.tp_size * cfg.pp_size == 1:  # data parallel (or none) over every rank
-        if cfg.activation_checkpointing:
-            from raytrain_platform.parallel.activation_checkpoint import apply_activation_checkpointing
-
-            apply_activation_checkpointing(model, blocks=blocks(model))
-        if cfg.compile:  # not with activation checkpointing (config.py says why)
-            from raytrain_platform.parallel.compile import apply_compile
-
-            apply_compile(blocks(model), device=env.device, announce=env.is_rank0)
+        _block_options(model, env=env, cfg=cfg, blocks=blocks)
         return get_strategy(cfg.strategy).load()(model, env=env, cfg=cfg, blocks=blocks(model))
     from raytrain_platform.parallel.mesh import build_mesh
 
-    for field in cfg.block_options_set():  # JobConfig refuses these; direct callers too
-        raise ConfigError(field, True, "false unless tp_size and pp_size are 1")
     dims = ParallelDims(dp=env.world_size // (cfg.tp_size * cfg.pp_size), tp=cfg.tp_size, pp=cfg.pp_size)
     mesh = build_mesh(env, dims)
     if cfg.pp_size > 1:
@@ -69,6 +60,7 @@ def _tensor_parallel(model: nn.Module, *, env, cfg, mesh, plan: dict[str, str], 
     # Alone, TP reshards its embeddings' gradients itself; under FSDP its reduce-scatter does.
     apply_tp(model, mesh=mesh["tp"], plan=plan, sequence_parallel=cfg.sequence_parallel,
              reshard_grads=dp == 1)
+    _block_options(model, env=env, cfg=cfg, blocks=blocks)
     if dp > 1:
         wrapped = get_strategy("fsdp").load()(model, env=env, cfg=cfg, mesh=mesh["dp"], blocks=blocks(model))
     else:
@@ -82,7 +74,21 @@ def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks) -> 
     """A pipeline stage over the data-parallel ranks: FSDP over ``mesh["dp"]``; or for
     'ddp', a replica whose gradients the pipeline runner all-reduces once per optimizer
     step (a stage wrapped in DistributedDataParallel hung in its first p2p exchange under
-    gloo, torch 2.13)."""
+    gloo, torch 2.13). The stage's blocks are checkpointed or compiled first."""
+    _block_options(part, env=env, cfg=cfg, blocks=blocks)
     if mesh["dp"].size() > 1 and cfg.strategy == "fsdp":
         return get_strategy("fsdp").load()(part, env=env, cfg=cfg, mesh=mesh["dp"], blocks=blocks(part))
     return Parallelized(module=part, base=part)
+
+
+def _block_options(model: nn.Module, *, env, cfg, blocks: Blocks) -> None:
+    """Activation checkpointing, then compile, on each repeated block of `model` (a
+    whole model, a TP'd one or a pipeline stage), before FSDP or DDP wraps it."""
+    if cfg.activation_checkpointing:
+        from raytrain_platform.parallel.activation_checkpoint import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, blocks=blocks(model))
+    if cfg.compile:  # not with activation checkpointing (config.py says why)
+        from raytrain_platform.parallel.compile import apply_compile
+
+        apply_compile(blocks(model), device=env.device, announce=env.is_rank0)

@@ -46,6 +46,21 @@ class ReplicateParams(ParallelStyle):
             output_fn=lambda mod, output, mesh: output.to_local())
 
 
+class EmbeddingRowwise(RowwiseParallel):
+    """`RowwiseParallel` for embeddings whose output waits for its all-reduce (or
+    reduce-scatter) before it leaves: a plain tensor, not the `AsyncCollectiveTensor` of
+    an async collective. A compiled block fed straight by the embedding (a Hugging Face
+    decoder's first layer) was recompiled for that type, and its backward failed
+    (``'Tensor' object has no attribute '_local_tensor'``, torch 2.13). Nothing waits
+    less for it: the next op reads the embedding's output at once."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def _style(kind: str, *, sequence_parallel: bool) -> ParallelStyle | None:
     """The DTensor style of one entry of a family's plan (models/family.py `TP_KINDS`)."""
     sp = sequence_parallel
@@ -55,9 +70,9 @@ def _style(kind: str, *, sequence_parallel: bool) -> ParallelStyle | None:
     if kind == "rowwise":
         return RowwiseParallel(output_layouts=between)
     if kind == "embedding":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+        return EmbeddingRowwise(input_layouts=Replicate(), output_layouts=between)
     if kind == "position_embedding":  # (T, d): with SP, rows of positions go with their tokens
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate())
+        return EmbeddingRowwise(input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate())
     if kind == "head":
         return ColwiseParallel(input_layouts=between, output_layouts=Replicate())
     if kind == "norm":

@@ -143,8 +143,6 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
     if cfg.parallel.strategy != "auto":  # only the batch is auto: plan for the given layout
         pins = {"tp": cfg.parallel.tp_size if cfg.parallel.tp_size > 1 else None,
                 "pp": cfg.parallel.pp_size if cfg.parallel.pp_size > 1 else None}
-    elif shape.kind == "transformer" and cfg.parallel.block_options_set():
-        pins = {"tp": 1, "pp": 1}  # both work on the data-parallel strategies only: no TP or PP
     plan = make_plan(model=shape, device_memory=hw.device_memory,
                      devices_per_node=hw.devices_per_node, nodes=hw.nodes, global_batch=global_batch,
                      precision=t.precision, optimizer=t.optimizer, headroom=hw.headroom,

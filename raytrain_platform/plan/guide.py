@@ -264,7 +264,8 @@ def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, lis
     smallest = min(estimated, key=lambda te: te[0])[1]
     return None, [head + f"; no strategy fits: the smallest is {LABELS[smallest.strategy]} at "
                   f"{_need(smallest)}, budget {format_size(req.budget)}",
-                  "more devices or nodes, activation checkpointing, or a smaller model/sequence"]
+                  "more devices or nodes, " + ("" if req.activation_checkpointing else "activation checkpointing, ")
+                  + "or a smaller model/sequence"]
 
 
 def _warnings(req: PlanRequest, rec: Option | None) -> list[str]:
@@ -354,8 +355,7 @@ def make_plan(*, model: ModelShape, device_memory: int, devices_per_node: int = 
 def _lora_instead(req: PlanRequest, reasons: list[str]) -> tuple[Option | None, LoraSize | None]:
     """Full fine-tuning fits nowhere: would LoRA (the base frozen: no gradients or
     optimizer state for it) fit? If so, say how, as one more reason."""
-    # Pinned TP/PP sizes above 1 are a model-parallel request; pins of 1 (auto with compile
-    # or activation checkpointing: data parallel only) still take LoRA.
+    # Pinned TP/PP sizes above 1 are a model-parallel request (LoRA has no TP/PP plan).
     if req.lora is not None or req.model.kind != "transformer" or (req.tp or 1) > 1 or (req.pp or 1) > 1:
         return None, None
     size = lora_size(req.model, r=DEFAULT_R, targets=DEFAULT_TARGETS)
