@@ -3,6 +3,7 @@ guide's choice becomes the config, the micro-batch is the largest that the memor
 model fits, and a real `rtp train` logs what it chose and why."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -129,3 +130,30 @@ def test_rtp_train_logs_its_choice_and_trains(tmp_path):
     assert saved["parallel"]["strategy"] == "fsdp" and isinstance(saved["data"]["batch_size"], int)
     rows = [json.loads(x) for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 6
+
+
+def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
+    # An hf model with tied input and output embeddings has no TP (models/hf.py); a
+    # budget where the untied model gets TP x FSDP then gets "none fits" (or a
+    # data-parallel layout), never a layout the config check refuses (parallel.tp_size).
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny["model"], tied)
+    conf = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**conf, "tie_word_embeddings": True}))
+
+    def plan(model, budget):
+        return prepare({"model": {"name": "hf", "kwargs": {"path": str(model)}},
+                        "data": {"source": "jsonl", "path": str(tiny["chat"]), "format": "chat",
+                                 "seq_len": 64, "batch_size": "auto"},
+                        "train": {"max_steps": 4, "global_batch_size": 16}, "parallel": {"strategy": "auto"},
+                        "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "memory_budget": budget},
+                        "run": {"name": "tied", "storage_path": str(tmp_path)}}).config.parallel
+
+    budgets = [f"{kib}KiB" for kib in range(16384, 1024, -512)]
+    tp_budget = next(b for b in budgets if plan(tiny["model"], b).tp_size == 2)  # untied: TP x FSDP here
+    try:
+        par = plan(tied, tp_budget)
+    except ConfigError as err:
+        assert err.field == "parallel.strategy" and "none does" in str(err), err
+    else:
+        assert (par.tp_size, par.pp_size) == (1, 1), par

@@ -13,6 +13,7 @@ twice, a wrong shard of data) moves losses by > 1e-3.
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -85,7 +86,13 @@ LAYOUTS = {
     "pp2_interleaved_compile_accum2": (2, dict(parallel={"pp_size": 2, "pp_schedule": "interleaved_1f1b",
                                                          "pp_microbatches": 4, "compile": True},
                                                data={"batch_size": 8}, train=accum(2)), _inductor("pp2")),
+    "tp2_ac_accum2": (2, dict(parallel={"tp_size": 2, "activation_checkpointing": True},
+                              data={"batch_size": 8}, train=accum(2))),
+    # Stages under FSDP with checkpointed blocks (4 processes: extended).
+    "pp2_fsdp2_ac_accum2": (4, dict(parallel={"pp_size": 2, "strategy": "fsdp", "activation_checkpointing": True},
+                                    data={"batch_size": 4}, train=accum(2))),
 }
+_EXTENDED = {"pp2_fsdp2_ac_accum2"}
 
 
 @pytest.fixture(scope="module")
@@ -95,18 +102,28 @@ def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
     return tmp / "one", torchrun(tmp, "one", 1)
 
 
+class _Runs(dict):
+    """Each layout's run directory and metrics rows, trained when a test first asks."""
+
+    def __init__(self, tmp: Path, reference: tuple[Path, list[dict]]):
+        super().__init__(one=reference)
+        self.tmp = tmp
+
+    def __missing__(self, name: str) -> tuple[Path, list[dict]]:
+        nproc, patch, *env = LAYOUTS[name]
+        env_vars = {k: v.format(tmp=self.tmp) for k, v in env[0].items()} if env else None
+        self[name] = (self.tmp / name, torchrun(self.tmp, name, nproc, env=env_vars, **patch))
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, reference) -> dict[str, tuple[Path, list[dict]]]:
-    tmp = tmp_path_factory.mktemp("mp")
-    out = {"one": reference}
-    for name, (nproc, patch, *env) in LAYOUTS.items():
-        out[name] = (tmp / name, torchrun(tmp, name, nproc, env={k: v.format(tmp=tmp) for k, v in env[0].items()}
-                                          if env else None, **patch))
-    return out
+    return _Runs(tmp_path_factory.mktemp("mp"), reference)
 
 
-@pytest.mark.timeout(900)  # the first one builds `runs`: 12 torchrun jobs (~200 s on 2 idle cores)
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.timeout(300)  # one torchrun job (a compiled one ~30 s on 2 idle cores)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.extended] if n in _EXTENDED else [])
+                                  for n in LAYOUTS])
 def test_layout_matches_single_process(runs, name):
     one, rows = losses(runs["one"][1]), runs[name][1]
     assert len(one) == 10 and one[-1] < one[0] - 0.2, one
@@ -119,7 +136,7 @@ def test_layout_matches_single_process(runs, name):
     assert rows[-1]["samples_seen"] == 160
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(300)  # trains the layouts it reads when run alone
 def test_state_is_split_across_model_parallel_ranks(runs):
     """Per-rank (rank 0) parameter bytes: TP halves every matrix (norms replicated),
     PP holds its stages only, TP x FSDP quarters everything."""
@@ -173,7 +190,7 @@ def test_resume(tmp_path, runs, source, nproc, target):
     assert _close(losses(rows), losses(runs["one"][1])[5:]), losses(rows)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("source", ["tp2_fsdp2_accum2", "pp2_ddp2_accum2",
                                     "pp2_interleaved_accum2", "tp2_sp_accum2", "tp2_sp_compile_accum2",
                                     "pp2_1f1b_ac_accum2", "pp2_interleaved_compile_accum2"])
@@ -210,6 +227,60 @@ def test_export_consolidates(tmp_path, runs, source):
             sums += task.eval_sums(model(inputs), targets)
     val_loss = float(sums[0] / sums[1])
     assert abs(val_loss - rows[-1]["val_loss"]) <= 1e-5 * val_loss, (source, val_loss, rows[-1])
+
+
+_BLOCKS_SCRIPT = """
+import json, sys, torch.distributed as dist
+from raytrain_platform.config import ParallelConfig
+from raytrain_platform.core.dist import DistEnv
+from raytrain_platform.models import get_family
+from raytrain_platform.parallel.compose import parallelize
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+dist.init_process_group("gloo")
+fam, kwargs, out = get_family("gpt"), json.loads(sys.argv[1]), {}
+for name, par in json.loads(sys.argv[2]).items():
+    model = fam.build(kwargs)
+    wrapped = parallelize(model, env=DistEnv.current(use_gpu=False), cfg=ParallelConfig(**par), family=fam,
+                          model_kwargs=kwargs)
+    modules = list(wrapped.base.named_modules())  # a pipeline: this rank's stages, merged
+    out[name] = {"checkpointed": sorted(n for n, m in modules if isinstance(m, CheckpointWrapper)),
+                 "compiled": sorted(n for n, m in modules if getattr(m, "_compiled_call_impl", None))}
+if dist.get_rank() == 0:
+    print("BLOCKS " + json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_block_options_reach_every_layouts_blocks(tmp_path):
+    """Which modules `parallelize` checkpointed or compiled, read back on rank 0 of 2:
+    every block of the TP-sharded model, and every block of the rank's pipeline stages
+    (1F1B: blocks 0-1 of 4; interleaved: stages 0 and 2, blocks 0 and 2), nothing else."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port
+
+    layouts = {"tp_ac": {"tp_size": 2, "activation_checkpointing": True},
+               "tp_compile": {"tp_size": 2, "compile": True},
+               "pp_ac": {"pp_size": 2, "activation_checkpointing": True},
+               "pp_interleaved_compile": {"pp_size": 2, "pp_schedule": "interleaved_1f1b", "compile": True}}
+    script = tmp_path / "blocks.py"
+    script.write_text(_BLOCKS_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
+                           json.dumps(MODEL["kwargs"]), json.dumps(layouts)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=110,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("BLOCKS "))[7:])
+    every = [f"blocks.{i}" for i in range(4)]
+    assert got["tp_ac"] == {"checkpointed": every, "compiled": []}, got
+    assert got["tp_compile"] == {"checkpointed": [], "compiled": every}, got
+    assert got["pp_ac"] == {"checkpointed": ["blocks.0", "blocks.1"], "compiled": []}, got
+    assert got["pp_interleaved_compile"] == {"checkpointed": [], "compiled": ["blocks.0", "blocks.2"]}, got
+    # Rank 0 says once per compiled model that the first step compiles, not once per stage.
+    assert proc.stdout.count("parallel.compile: ") == 2, proc.stdout
 
 
 @pytest.mark.parametrize("patch,field,needle", [

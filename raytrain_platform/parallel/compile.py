@@ -71,7 +71,7 @@ def apply_compile(blocks: Sequence[tuple[str, nn.Module]], *, device: torch.devi
                           "(name their class with model.block_class)")
     require_compiler(device)
     if announce:
-        print(f"parallel.compile: {len(blocks)} blocks compile during the first step (TorchInductor; "
+        print("parallel.compile: the model's blocks compile during the first step (TorchInductor; "
               "later runs reuse its cache)", flush=True)
     # Blocks of one class share a graph, but each grad mode (training; evaluation under
     # no_grad) and each new shape takes an entry, and a block's guards may hold its own

@@ -43,9 +43,10 @@ def parallelize(model: nn.Module, *, env, cfg, family: "ModelFamily", model_kwar
     if cfg.pp_size > 1:
         from raytrain_platform.parallel.pp import apply_pp
 
+        first = iter([True])  # rank 0 announces compiling once, at its first stage
         return apply_pp(model, env=env, cfg=cfg, mesh=mesh, layout=family.pipeline_layout(),
                         data_parallel=lambda part: _stage_data_parallel(part, env=env, cfg=cfg, mesh=mesh,
-                                                                        blocks=blocks))
+                                                                        blocks=blocks, announce=next(first, False)))
     return _tensor_parallel(model, env=env, cfg=cfg, mesh=mesh, plan=family.tp_plan(model, model_kwargs),
                             blocks=blocks)
 
@@ -70,18 +71,18 @@ def _tensor_parallel(model: nn.Module, *, env, cfg, mesh, plan: dict[str, str], 
     return wrapped
 
 
-def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks) -> Parallelized:
+def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks, announce: bool) -> Parallelized:
     """A pipeline stage over the data-parallel ranks: FSDP over ``mesh["dp"]``; or for
     'ddp', a replica whose gradients the pipeline runner all-reduces once per optimizer
     step (a stage wrapped in DistributedDataParallel hung in its first p2p exchange under
     gloo, torch 2.13). The stage's blocks are checkpointed or compiled first."""
-    _block_options(part, env=env, cfg=cfg, blocks=blocks)
+    _block_options(part, env=env, cfg=cfg, blocks=blocks, announce=announce)
     if mesh["dp"].size() > 1 and cfg.strategy == "fsdp":
         return get_strategy("fsdp").load()(part, env=env, cfg=cfg, mesh=mesh["dp"], blocks=blocks(part))
     return Parallelized(module=part, base=part)
 
 
-def _block_options(model: nn.Module, *, env, cfg, blocks: Blocks) -> None:
+def _block_options(model: nn.Module, *, env, cfg, blocks: Blocks, announce: bool = True) -> None:
     """Activation checkpointing, then compile, on each repeated block of `model` (a
     whole model, a TP'd one or a pipeline stage), before FSDP or DDP wraps it."""
     if cfg.activation_checkpointing:
@@ -91,4 +92,4 @@ def _block_options(model: nn.Module, *, env, cfg, blocks: Blocks) -> None:
     if cfg.compile:  # not with activation checkpointing (config.py says why)
         from raytrain_platform.parallel.compile import apply_compile
 
-        apply_compile(blocks(model), device=env.device, announce=env.is_rank0)
+        apply_compile(blocks(model), device=env.device, announce=announce and env.is_rank0)

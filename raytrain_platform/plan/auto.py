@@ -23,6 +23,7 @@ the log. No torch, no Ray: the launcher measures the hardware and passes it in.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -129,6 +130,26 @@ def _option_for(cfg: JobConfig, plan) -> Option:
     return plan.option(name)
 
 
+def _model_parallel_pins(cfg: JobConfig, shape: ModelShape) -> dict[str, int | None]:
+    """TP or PP pinned to 1 where the model's family refuses a split the plan could pick
+    (an `hf` model has no pipeline split; one with tied embeddings, or of a type without
+    a TP plan, no TP), so the plan chooses among layouts that run, or says none fits.
+    Sizes the plan itself never picks (TP not dividing the heads, PP above the layer
+    count) are not asked about."""
+    family = get_family(cfg.model.name)
+    pins: dict[str, int | None] = {}
+    heads = math.gcd(shape.n_head, shape.n_kv_head or shape.n_head) if shape.kind == "transformer" else 0
+    tp = next((d for d in range(2, heads + 1) if heads % d == 0), None)
+    for dim, sizes in (("tp", tp and {"tp": tp, "pp": 1, "stages": 1}),
+                       ("pp", shape.n_layer >= 2 and {"tp": 1, "pp": 2, "stages": 2})):
+        if sizes:
+            try:
+                family.check_model_parallel(cfg.model.kwargs, pp_split=None, **sizes)
+            except ConfigError:
+                pins[dim] = 1
+    return pins
+
+
 def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
     """The config with its ``auto`` fields decided on `hw`, and one sentence per decision."""
     if not has_auto(cfg):
@@ -138,11 +159,12 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
     explicit_batch = cfg.data.batch_size if isinstance(cfg.data.batch_size, int) else None
     # An explicit batch with strategy auto: tp and pp are 1 until the plan picks, so x n workers.
     global_batch = cfg.global_batch
-    pins = {}
     shape, lora = _shape(cfg), cfg.model.lora
     if cfg.parallel.strategy != "auto":  # only the batch is auto: plan for the given layout
         pins = {"tp": cfg.parallel.tp_size if cfg.parallel.tp_size > 1 else None,
                 "pp": cfg.parallel.pp_size if cfg.parallel.pp_size > 1 else None}
+    else:
+        pins = _model_parallel_pins(cfg, shape)
     plan = make_plan(model=shape, device_memory=hw.device_memory,
                      devices_per_node=hw.devices_per_node, nodes=hw.nodes, global_batch=global_batch,
                      precision=t.precision, optimizer=t.optimizer, headroom=hw.headroom,
