@@ -149,6 +149,45 @@ def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
                         "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "memory_budget": budget},
                         "run": {"name": "tied", "storage_path": str(tmp_path)}}).config.parallel
 
+    from raytrain_platform.config import load_config
+    from raytrain_platform.models import get_family
+    from raytrain_platform.plan.auto import _shape, refused_splits
+
+    def pins(config):  # the splits refused, as the plan's pins of 1
+        cfg = load_config(config)
+        par = cfg.parallel
+        return {dim: 1 for dim in refused_splits(get_family(cfg.model.name), cfg.model.kwargs, _shape(cfg),
+                                                 pp_schedule=par.pp_schedule, pp_split=par.pp_split)}
+
+    hf = {"model": {"name": "hf", "kwargs": {"path": str(tied)}},
+          "data": {"source": "jsonl", "path": str(tiny["chat"]), "format": "chat", "seq_len": 64, "batch_size": 4},
+          "train": {"max_steps": 4}, "run": {"name": "p", "storage_path": str(tmp_path)}}
+    assert pins(hf) == {"tp": 1, "pp": 1}  # tied embeddings: no TP; hf: no pipeline split
+    assert pins({**hf, "model": {"name": "hf", "kwargs": {"path": str(tiny["model"])}}}) == {"pp": 1}
+    gpt3 = _cfg(tmp_path, "1GiB")
+    gpt3["model"]["kwargs"] = {**GPT, "n_layer": 3}
+    assert pins(gpt3) == {}  # gpt: both splits
+    gpt3["parallel"]["pp_schedule"] = "interleaved_1f1b"
+    assert pins(gpt3) == {"pp": 1}  # 2 ranks x 2 stages each need 4 blocks
+    mlp = _cfg(tmp_path, "1GiB")
+    mlp.update(model={"name": "mlp", "kwargs": {"input_dim": 16, "num_outputs": 4}},
+               data={"source": "synthetic", "batch_size": "auto"})
+    assert pins(mlp) == {} and prepare(mlp).config.parallel.strategy == "ddp"  # the plan offers mlp no TP/PP
+
+    # rtp plan shows the refused splits as no option, with the family's reason, and
+    # refuses --tp 2 for the tied model.
+    plan_cmd = [sys.executable, "-m", "raytrain_platform", "plan", "--device-mem", "8MiB",
+                "--devices-per-node", "2", "--global-batch", "16", "--seq-len", "64"]
+    out = subprocess.run([*plan_cmd, "--model", f"hf:{tied}"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("  ")[0]: line for line in out.stdout.splitlines()}
+    assert "n/a: parallel.tp_size must be 1 for a model with tied input and output embeddings" in rows["TP x FSDP"]
+    assert "n/a: parallel.pp_size must be 1 for model 'hf'" in rows["PP x DP"], out.stdout
+    out = subprocess.run([*plan_cmd, "--model", f"hf:{tied}", "--tp", "2"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and out.stderr.startswith("error: --tp = 2: expected 1: parallel.tp_size must be 1 "
+                                                         "for a model with tied"), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
     budgets = [f"{kib}KiB" for kib in range(16384, 1024, -512)]
     tp_budget = next(b for b in budgets if plan(tiny["model"], b).tp_size == 2)  # untied: TP x FSDP here
     try:

@@ -60,8 +60,8 @@ def require_compiler(device: torch.device) -> None:
 
 def apply_compile(blocks: Sequence[tuple[str, nn.Module]], *, device: torch.device, announce: bool = False) -> None:
     """Compile each of `blocks` (``(fully qualified name, module)``) in place; with
-    `announce` (rank 0), say that the first step will take longer. As composed in
-    parallel/compose.py::
+    `announce` (rank 0, once per model), say that the first step will take longer. As
+    composed in parallel/compose.py, after TP and before FSDP::
 
         apply_compile(blocks(model), device=env.device, announce=env.is_rank0)
         apply_fsdp(model, env=env, cfg=cfg, blocks=blocks(model))

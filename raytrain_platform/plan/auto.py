@@ -27,10 +27,11 @@ import math
 import os
 from dataclasses import dataclass
 
-from raytrain_platform.config import JobConfig
+from raytrain_platform.config import PP_SCHEDULES, JobConfig
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Option, make_plan
 from raytrain_platform.plan.lora import lora_size
+from raytrain_platform.models.family import ModelFamily
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.shapes import ModelShape
 from raytrain_platform.units import format_size
@@ -130,24 +131,28 @@ def _option_for(cfg: JobConfig, plan) -> Option:
     return plan.option(name)
 
 
-def _model_parallel_pins(cfg: JobConfig, shape: ModelShape) -> dict[str, int | None]:
-    """TP or PP pinned to 1 where the model's family refuses a split the plan could pick
-    (an `hf` model has no pipeline split; one with tied embeddings, or of a type without
-    a TP plan, no TP), so the plan chooses among layouts that run, or says none fits.
-    Sizes the plan itself never picks (TP not dividing the heads, PP above the layer
-    count) are not asked about."""
-    family = get_family(cfg.model.name)
-    pins: dict[str, int | None] = {}
-    heads = math.gcd(shape.n_head, shape.n_kv_head or shape.n_head) if shape.kind == "transformer" else 0
+def refused_splits(family: ModelFamily, kwargs: dict, shape: ModelShape, *, pp_schedule: str = "1f1b",
+                   pp_split: list[int] | None = None) -> dict[str, str]:
+    """The splits ("tp", "pp") the model's family refuses of those the plan could pick,
+    each with the family's reason: an `hf` model has no pipeline split; one with tied
+    embeddings, or of a type without a TP plan, no TP. The plan then shows them as no
+    option (`rtp plan`), and `auto` chooses among layouts that run or says none fits.
+    Sizes the plan never picks (TP not dividing the heads, PP above the layer count) are
+    not asked about; PP is asked with the config's schedule and split."""
+    refused: dict[str, str] = {}
+    if shape.kind != "transformer":  # the plan offers TP and PP to transformers only
+        return refused
+    heads = math.gcd(shape.n_head, shape.n_kv_head or shape.n_head)
     tp = next((d for d in range(2, heads + 1) if heads % d == 0), None)
+    stages = 2 * PP_SCHEDULES[pp_schedule]  # 2 stages per rank when interleaved
     for dim, sizes in (("tp", tp and {"tp": tp, "pp": 1, "stages": 1}),
-                       ("pp", shape.n_layer >= 2 and {"tp": 1, "pp": 2, "stages": 2})):
+                       ("pp", shape.n_layer >= 2 and {"tp": 1, "pp": 2, "stages": stages})):
         if sizes:
             try:
-                family.check_model_parallel(cfg.model.kwargs, pp_split=None, **sizes)
-            except ConfigError:
-                pins[dim] = 1
-    return pins
+                family.check_model_parallel(kwargs, pp_split=pp_split, **sizes)
+            except ConfigError as exc:
+                refused[dim] = f"{exc.field} must be {exc.allowed}"
+    return refused
 
 
 def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
@@ -160,15 +165,18 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
     # An explicit batch with strategy auto: tp and pp are 1 until the plan picks, so x n workers.
     global_batch = cfg.global_batch
     shape, lora = _shape(cfg), cfg.model.lora
+    pins: dict[str, int | None] = {}
+    refused: dict[str, str] = {}
     if cfg.parallel.strategy != "auto":  # only the batch is auto: plan for the given layout
         pins = {"tp": cfg.parallel.tp_size if cfg.parallel.tp_size > 1 else None,
                 "pp": cfg.parallel.pp_size if cfg.parallel.pp_size > 1 else None}
-    else:
-        pins = _model_parallel_pins(cfg, shape)
+    else:  # choose among the splits the model's family runs
+        refused = refused_splits(get_family(cfg.model.name), cfg.model.kwargs, shape,
+                                 pp_schedule=cfg.parallel.pp_schedule, pp_split=cfg.parallel.pp_split)
     plan = make_plan(model=shape, device_memory=hw.device_memory,
                      devices_per_node=hw.devices_per_node, nodes=hw.nodes, global_batch=global_batch,
                      precision=t.precision, optimizer=t.optimizer, headroom=hw.headroom,
-                     activation_checkpointing=cfg.parallel.activation_checkpointing, **pins,
+                     activation_checkpointing=cfg.parallel.activation_checkpointing, **pins, refused=refused,
                      # LoRA: the frozen base, and DDP or FSDP only (plan/lora.py)
                      lora=None if lora is None else lora_size(shape, r=lora["r"], targets=lora["target_modules"]))
     budget = f"{format_size(plan.request.budget)} per worker ({hw.source})"

@@ -21,6 +21,7 @@ from typing import Any, NoReturn, overload
 
 from raytrain_platform.config import add_set_flag, load_config
 from raytrain_platform.errors import ConfigError
+from raytrain_platform.plan.auto import refused_splits
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
 from raytrain_platform.plan.lora import DEFAULT_TARGETS, LoraSize, lora_size
 from raytrain_platform.models.hf_shapes import hf_config_shape
@@ -180,7 +181,9 @@ def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
     defaults: dict[str, Any] = {
         "global_batch": cfg.global_batch,
         "precision": t.precision, "optimizer": t.optimizer, "devices_per_node": s.num_workers,
-        "activation_checkpointing": cfg.parallel.activation_checkpointing}
+        "activation_checkpointing": cfg.parallel.activation_checkpointing,
+        "refused": refused_splits(family, kwargs, shape, pp_schedule=cfg.parallel.pp_schedule,
+                                  pp_split=cfg.parallel.pp_split)}
     if cfg.model.lora is not None:
         defaults["lora"] = lora_size(shape, r=cfg.model.lora["r"], targets=cfg.model.lora["target_modules"])
     return shape, defaults
@@ -191,6 +194,8 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
         shape, defaults = _from_config(args)
     else:
         shape, defaults = _shape_from_flags(args), {}
+        if args.model and args.model.startswith("hf:"):  # a Hugging Face folder: what its family runs
+            defaults["refused"] = refused_splits(get_family("hf"), {"path": args.model[len("hf:"):]}, shape)
     if args.device_mem is None:
         raise ConfigError("--device-mem", None, SIZE_HELP)
     try:
@@ -214,7 +219,8 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
                 precision=args.precision or defaults.get("precision", "fp32"),
                 optimizer=args.optimizer or defaults.get("optimizer", "adamw"),
                 activation_checkpointing=ckpt, headroom=headroom,
-                tp=_int("--tp", args.tp), pp=_int("--pp", args.pp), lora=_lora(args, shape, defaults))
+                tp=_int("--tp", args.tp), pp=_int("--pp", args.pp), lora=_lora(args, shape, defaults),
+                refused=defaults.get("refused", {}))
 
 
 def _lora(args: argparse.Namespace, shape: ModelShape, defaults: dict) -> LoraSize | None:

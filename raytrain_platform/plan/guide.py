@@ -26,6 +26,7 @@ On several nodes FSDP and TP x FSDP shard within a node and replicate across nod
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from raytrain_platform.errors import ConfigError
@@ -58,6 +59,11 @@ class PlanRequest:
     tp: int | None = None  # pin the TP degree
     pp: int | None = None  # pin the PP degree
     lora: LoraSize | None = None  # LoRA adapters: the base is frozen (plan/lora.py)
+    # Splits the model's family cannot run ("tp"/"pp" -> why; plan/auto.py:refused_splits)
+    refused: tuple[tuple[str, str], ...] = ()
+
+    def refusal(self, dim: str) -> str | None:
+        return dict(self.refused).get(dim)
 
     @property
     def devices(self) -> int:
@@ -158,6 +164,9 @@ def _pp_degrees(req: PlanRequest, *, need_dp: bool) -> list[int]:
             if 1 < d <= req.model.n_layer and (not need_dp or req.devices // d >= 2)]
 
 
+_SPLIT = {"tp": "tp", "tp_fsdp": "tp", "pp": "pp", "pp_dp": "pp"}  # the split each option needs
+
+
 def _search(req: PlanRequest, strategy: str, degrees: list[int], build) -> Option:
     """The smallest model-parallel degree that fits (less communication), else the largest."""
     if not degrees:
@@ -188,7 +197,9 @@ def _options(req: PlanRequest) -> list[Option]:
     out.append(_search(req, "tp_fsdp", tps, lambda t: {
         "dp": n // t, "tp": t, "shard": n // t if nodes == 1 else per_node // t}))
     out.append(_search(req, "pp_dp", _pp_degrees(req, need_dp=True), lambda p: {"dp": n // p, "pp": p}))
-    return out
+    # A split the model's family refuses is no option, whatever it would fit.
+    return [Option(o.strategy, False, note=why) if (why := req.refusal(_SPLIT.get(o.strategy, ""))) else o
+            for o in out]
 
 
 def _swap(fit: tuple[Layout, MemoryEstimate, bool]) -> tuple[bool, Layout, MemoryEstimate]:
@@ -315,6 +326,9 @@ def _validate(req: PlanRequest) -> None:
         if req.devices_per_node % req.tp or m.kind != "transformer" or m.n_head % req.tp:
             raise ConfigError("--tp", req.tp, f"a divisor of --devices-per-node ({req.devices_per_node}) "
                               f"and of the attention heads ({m.n_head}) of a transformer")
+    for dim, pin in (("tp", req.tp), ("pp", req.pp)):
+        if pin is not None and pin > 1 and (why := req.refusal(dim)):
+            raise ConfigError(f"--{dim}", pin, f"1: {why}")
     if req.pp is not None:
         positive("--pp", req.pp)
         if req.devices % req.pp or m.kind != "transformer" or req.pp > m.n_layer:
@@ -325,7 +339,8 @@ def _validate(req: PlanRequest) -> None:
 def make_plan(*, model: ModelShape, device_memory: int, devices_per_node: int = 1, nodes: int = 1,
               global_batch: int = 1, precision: str = "fp32", optimizer: str = "adamw",
               activation_checkpointing: bool = False, headroom: float = 0.1,
-              tp: int | None = None, pp: int | None = None, lora: LoraSize | None = None) -> Plan:
+              tp: int | None = None, pp: int | None = None, lora: LoraSize | None = None,
+              refused: Mapping[str, str] | Iterable[tuple[str, str]] = ()) -> Plan:
     """Estimate every strategy, mark which fit in ``device_memory * (1 - headroom)``, and
     recommend one with its reasons (see the module docstring for the rules).
 
@@ -338,7 +353,7 @@ def make_plan(*, model: ModelShape, device_memory: int, devices_per_node: int = 
     req = PlanRequest(model=model, device_memory=device_memory, devices_per_node=devices_per_node,
                       nodes=nodes, global_batch=global_batch, precision=precision,
                       optimizer=optimizer, activation_checkpointing=activation_checkpointing,
-                      headroom=headroom, tp=tp, pp=pp, lora=lora)
+                      headroom=headroom, tp=tp, pp=pp, lora=lora, refused=tuple(sorted(dict(refused).items())))
     _validate(req)
     options = _options(req)
     by_name = {o.strategy: o for o in options}
