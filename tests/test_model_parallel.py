@@ -92,7 +92,8 @@ LAYOUTS = {
     "pp2_fsdp2_ac_accum2": (4, dict(parallel={"pp_size": 2, "strategy": "fsdp", "activation_checkpointing": True},
                                     data={"batch_size": 4}, train=accum(2))),
 }
-_EXTENDED = {"pp2_fsdp2_ac_accum2"}
+# 4 processes, or a second compiled TP layout (tests/test_hf.py's tp2_compile runs by default).
+_EXTENDED = {"pp2_fsdp2_ac_accum2", "tp2_sp_compile_accum2"}
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +199,9 @@ def test_resume(tmp_path, runs, source, nproc, target):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("source", ["tp2_fsdp2_accum2", "pp2_ddp2_accum2",
-                                    "pp2_interleaved_accum2", "tp2_sp_accum2", "tp2_sp_compile_accum2",
-                                    "pp2_1f1b_ac_accum2", "pp2_interleaved_compile_accum2"])
+                                    "pp2_interleaved_accum2", "tp2_sp_accum2", "pp2_1f1b_ac_accum2",
+                                    "pp2_interleaved_compile_accum2",
+                                    pytest.param("tp2_sp_compile_accum2", marks=pytest.mark.extended)])
 def test_export_consolidates(tmp_path, runs, source):
     """`rtp export` of a TP / PP / 2-D checkpoint: one safetensors file whose weights,
     in a plain model here, give the validation loss the run logged at step 10. Compiled
