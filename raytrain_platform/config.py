@@ -298,8 +298,11 @@ class ParallelConfig:
 
     _FSDP_ONLY: ClassVar[dict[str, bool]] = {
         "mixed_precision": False, "reshard_after_forward": True, "cpu_offload": False}
-    # Options that work on the model's repeated blocks, on every layout (parallel/compose.py).
-    BLOCK_OPTIONS: ClassVar[dict[str, str]] = {"activation_checkpointing": "checkpoint", "compile": "compile"}
+    # Options that work on the model's repeated blocks, on every layout (parallel/compose.py):
+    # field -> (what it does to a block, what the run summary says the blocks are).
+    BLOCK_OPTIONS: ClassVar[dict[str, tuple[str, str]]] = {
+        "activation_checkpointing": ("checkpoint", "checkpointed"),
+        "compile": ("compile", "compiled (TorchInductor, during the first step)")}
 
     def block_options_set(self) -> list[str]:
         """The `BLOCK_OPTIONS` turned on, as config fields (``parallel.compile``...)."""
@@ -502,7 +505,7 @@ class JobConfig:
             _check(self.scaling.use_gpu or not getattr(par, name), f"parallel.{name}",
                    getattr(par, name), "false when scaling.use_gpu is false (GPU-only FSDP option)")
         family = get_family(self.model.name)
-        for name, verb in par.BLOCK_OPTIONS.items():
+        for name, (verb, _) in par.BLOCK_OPTIONS.items():
             _check(family.has_blocks or not getattr(par, name), f"parallel.{name}", getattr(par, name),
                    f"false for model '{self.model.name}' (it has no repeated blocks to {verb})")
         _check(not (par.compile and par.activation_checkpointing), "parallel.compile", par.compile,
@@ -590,15 +593,13 @@ class JobConfig:
         adapters = (f" with LoRA r {lora['r']} on {', '.join(lora['target_modules'])} (only the adapters train)"
                     if lora else "")
         par = self.parallel
-        split = [f"tp {par.tp_size}" if par.tp_size > 1 else "",
-                 f"pp {par.pp_size} {par.pp_schedule}" if par.pp_size > 1 else ""]
-        blocks = " and ".join({"parallel.activation_checkpointing": "checkpointed",
-                               "parallel.compile": "compiled (TorchInductor, during the first step)"}[f]
-                              for f in par.block_options_set())
+        split = [x for x in (f"tp {par.tp_size}" if par.tp_size > 1 else "",
+                             f"pp {par.pp_size} {par.pp_schedule}" if par.pp_size > 1 else "") if x]
+        blocks = " and ".join(done for name, (_, done) in par.BLOCK_OPTIONS.items() if getattr(par, name))
         return (f"run '{self.run.name}': model {self.model.name} ({self.model.task}){adapters} on {d.source} data; "
                 f"{par.strategy} x {s.num_workers} worker(s) "
                 f"{f'(elastic, from {s.min_workers}) ' if s.elastic else ''}"
-                f"({', '.join([x for x in split if x] + ['GPU' if s.use_gpu else 'CPU'])})"
+                f"({', '.join([*split, 'GPU' if s.use_gpu else 'CPU'])})"
                 f"{f'; blocks {blocks}' if blocks else ''}; micro-batch {d.batch_size} x accum "
                 f"{t.grad_accum_steps} = global batch {global_batch}; {stop}; "
                 f"run dir {self.run.run_dir}")

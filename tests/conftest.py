@@ -212,19 +212,28 @@ def ray_cluster():
 
 
 class LayoutRuns:
-    """Each layout's run under torchrun (no Ray), trained when a test first asks for it.
-    `layouts` maps a name to (processes, config sections), or (processes, sections,
-    environment), the environment's values formatted with ``{root}``; "one" is one
-    process as configured. `config(root, name, **sections)` builds the job config."""
+    """Each layout's run under torchrun (no Ray), trained when a test first asks for it,
+    in ``root / name``. `layouts` maps a name to (processes, config sections), or
+    (processes, sections, environment), the environment's values formatted with
+    ``{root}``; "one" is one process as configured. `config(root, name, **sections)`
+    builds the job config. A layout that failed is reported to later readers, not rerun."""
 
-    def __init__(self, root: Path, layouts: dict, config):
-        self.root, self.layouts, self.config, self._done = root, layouts, config, {}
+    def __init__(self, root: Path, layouts: dict, config, *, timeout: int = 300):
+        self.root, self.layouts, self.config, self.timeout = root, layouts, config, timeout
+        self._done: dict[str, list[dict]] = {}
+        self._failed: dict[str, str] = {}
 
     def __getitem__(self, name: str) -> list[dict]:
+        if name in self._failed:
+            raise AssertionError(f"layout {name} failed earlier: {self._failed[name]}")
         if name not in self._done:
             nproc, sections, *env = (1, {}) if name == "one" else self.layouts[name]
             cfg = self.config(self.root, name, **sections)
-            self._done[name] = torchrun_metrics(
-                cfg, self.root / f"{name}.yaml", nproc, timeout=300,
-                env={k: v.format(root=self.root) for k, v in (env[0] if env else {}).items()})
+            try:
+                self._done[name] = torchrun_metrics(
+                    cfg, self.root / f"{name}.yaml", nproc, timeout=self.timeout,
+                    env={k: v.format(root=self.root) for k, v in (env[0] if env else {}).items()})
+            except BaseException as exc:
+                self._failed[name] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+                raise
         return self._done[name]

@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import torchrun_metrics
+from conftest import LayoutRuns, torchrun_metrics
 from test_fsdp import gpt_config as fsdp_config
 from test_fsdp import losses
 
@@ -38,15 +38,15 @@ def gpt_config(tmp: Path, name: str, **sections) -> dict:
     return fsdp_config(tmp, name, **merged)
 
 
-def torchrun(tmp: Path, name: str, nproc: int, env: dict[str, str] | None = None, **sections) -> list[dict]:
+def torchrun(tmp: Path, name: str, nproc: int, **sections) -> list[dict]:
     return torchrun_metrics(gpt_config(tmp, name, **sections), tmp / f"{name}.yaml", nproc,
-                            timeout=150, env=env)
+                            timeout=150)
 
 
 def _inductor(name: str) -> dict[str, str]:
     """A compiled layout's TorchInductor cache, in its own folder (formatted with the
     run's folder): the C++ kernels it holds afterwards show the blocks really compiled."""
-    return {"TORCHINDUCTOR_CACHE_DIR": "{tmp}/inductor-" + name}
+    return {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-" + name}
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -103,43 +103,24 @@ def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
     return tmp / "one", torchrun(tmp, "one", 1)
 
 
-class _Runs(dict):
-    """Each layout's run directory and metrics rows, trained when a test first asks."""
-
-    def __init__(self, tmp: Path, reference: tuple[Path, list[dict]]):
-        super().__init__(one=reference)
-        self.tmp, self.failed = tmp, {}
-
-    def __missing__(self, name: str) -> tuple[Path, list[dict]]:
-        if name in self.failed:  # one failure, reported once: later readers see it, not a rerun
-            raise AssertionError(f"layout {name} failed earlier: {self.failed[name]}")
-        nproc, patch, *env = LAYOUTS[name]
-        env_vars = {k: v.format(tmp=self.tmp) for k, v in env[0].items()} if env else None
-        try:
-            self[name] = (self.tmp / name, torchrun(self.tmp, name, nproc, env=env_vars, **patch))
-        except BaseException as exc:
-            self.failed[name] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
-            raise
-        return self[name]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, reference) -> dict[str, tuple[Path, list[dict]]]:
-    return _Runs(tmp_path_factory.mktemp("mp"), reference)
+def runs(tmp_path_factory) -> LayoutRuns:
+    """Each layout's 10 steps (and "one": the single process), in ``runs.root / name``."""
+    return LayoutRuns(tmp_path_factory.mktemp("mp"), LAYOUTS, gpt_config, timeout=150)
 
 
 @pytest.mark.timeout(300)  # one torchrun job (a compiled one ~30 s on 2 idle cores)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.extended] if n in _EXTENDED else [])
                                   for n in LAYOUTS])
 def test_layout_matches_single_process(runs, name):
-    one, rows = losses(runs["one"][1]), runs[name][1]
+    one, rows = losses(runs["one"]), runs[name]
     assert len(one) == 10 and one[-1] < one[0] - 0.2, one
     assert _close(losses(rows), one), (name, losses(rows), one)
     if len(LAYOUTS[name]) == 3:  # compiled: TorchInductor built C++ kernels in the run's own cache
-        cache = Path(LAYOUTS[name][2]["TORCHINDUCTOR_CACHE_DIR"].format(tmp=runs[name][0].parent))
+        cache = Path(LAYOUTS[name][2]["TORCHINDUCTOR_CACHE_DIR"].format(root=runs.root))
         assert list(cache.rglob("*.so")), cache
     # The global grad norm (over meshes and stages) agrees too.
-    assert abs(rows[-1]["grad_norm"] - runs["one"][1][-1]["grad_norm"]) <= 1e-4 * rows[-1]["grad_norm"]
+    assert abs(rows[-1]["grad_norm"] - runs["one"][-1]["grad_norm"]) <= 1e-4 * rows[-1]["grad_norm"]
     assert rows[-1]["samples_seen"] == 160
 
 
@@ -147,15 +128,15 @@ def test_layout_matches_single_process(runs, name):
 def test_state_is_split_across_model_parallel_ranks(runs):
     """Per-rank (rank 0) parameter bytes: TP halves every matrix (norms replicated),
     PP holds its stages only, TP x FSDP quarters everything."""
-    full = runs["one"][1][-1]["param_bytes"]
-    assert runs["tp2_sp_accum2"][1][-1]["param_bytes"] < 0.52 * full
-    assert runs["pp2_gpipe"][1][-1]["param_bytes"] < 0.6 * full
-    assert runs["tp2_fsdp2_accum2"][1][-1]["param_bytes"] < 0.27 * full
+    full = runs["one"][-1]["param_bytes"]
+    assert runs["tp2_sp_accum2"][-1]["param_bytes"] < 0.52 * full
+    assert runs["pp2_gpipe"][-1]["param_bytes"] < 0.6 * full
+    assert runs["tp2_fsdp2_accum2"][-1]["param_bytes"] < 0.27 * full
     # TP x FSDP: one reduce-scatter per FSDP unit (4 blocks + root) per optimizer step.
-    assert {r["grad_allreduces"] for r in runs["tp2_fsdp2_accum2"][1]} == {5}
+    assert {r["grad_allreduces"] for r in runs["tp2_fsdp2_accum2"]} == {5}
     # PP x DDP: one flat all-reduce of the stage's gradients per optimizer step.
-    assert {r["grad_allreduces"] for r in runs["pp2_ddp2_accum2"][1]} == {1}
-    assert {r["grad_allreduces"] for r in runs["pp2_interleaved_ddp2"][1]} == {1}
+    assert {r["grad_allreduces"] for r in runs["pp2_ddp2_accum2"]} == {1}
+    assert {r["grad_allreduces"] for r in runs["pp2_interleaved_ddp2"]} == {1}
 
 
 def test_data_goes_to_data_parallel_ranks_only(tmp_path):
@@ -191,10 +172,11 @@ def test_data_goes_to_data_parallel_ranks_only(tmp_path):
 def test_resume(tmp_path, runs, source, nproc, target):
     """A run directory holding only `source`'s step-5 checkpoint, trained on to step 10."""
     name = f"{source}_to_{target}"
-    shutil.copytree(runs[source][0] / "checkpoint_000005", tmp_path / name / "checkpoint_000005")
+    runs[source]  # trained
+    shutil.copytree(runs.root / source / "checkpoint_000005", tmp_path / name / "checkpoint_000005")
     rows = torchrun(tmp_path, name, nproc, **(LAYOUTS[target][1] if target else {}))
     assert [r["step"] for r in rows] == list(range(6, 11)), "did not resume at step 5"
-    assert _close(losses(rows), losses(runs["one"][1])[5:]), losses(rows)
+    assert _close(losses(rows), losses(runs["one"])[5:]), losses(rows)
 
 
 @pytest.mark.timeout(300)
@@ -215,7 +197,7 @@ def test_export_consolidates(tmp_path, runs, source):
     from raytrain_platform.models.tasks import get_task
     from raytrain_platform.resolve import resolve_job
 
-    run_dir, rows = runs[source]
+    run_dir, rows = runs.root / source, runs[source]
     out = export_checkpoint(run_dir, tmp_path / source)
     assert json.loads((out / "export.json").read_text())["step"] == 10
     cfg = load_config(yaml.safe_load((out / "config.yaml").read_text()))
