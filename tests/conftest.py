@@ -127,6 +127,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_launch(nproc: int) -> list[str]:
+    """The launcher's command line for `nproc` ranks on 127.0.0.1 at a free port; the
+    script or ``-m module`` and its arguments follow."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+
+
 def torchrun_metrics(cfg: dict, config_path: Path, nproc: int, *, timeout: int = 300,
                      env: dict | None = None) -> list[dict]:
     """Train `cfg` with the Ray-free core under torchrun (`nproc` ranks on 127.0.0.1);
@@ -138,9 +145,7 @@ def torchrun_metrics(cfg: dict, config_path: Path, nproc: int, *, timeout: int =
 
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m",
-           "raytrain_platform.core", "--config", str(config_path)]
+    cmd = [*torchrun_launch(nproc), "-m", "raytrain_platform.core", "--config", str(config_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]

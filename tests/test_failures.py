@@ -293,17 +293,14 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     exit 1 with one line, and the checkpoint of step 3 is the newest finite one."""
     import os
     import subprocess
-    import sys
 
-    from conftest import ROOT, free_port
+    from conftest import ROOT, torchrun_launch
 
     cfg = mlp_config(tmp_path, "rank1", model={"name": "user_models:nan_mlp", "task": "classification",
                                                "kwargs": {"nan_from": 3, "nan_rank": 1}},
                      parallel={"strategy": "ddp"}, scaling={"num_workers": 2},
                      run={"checkpoint_every": 3})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "-m", "raytrain_platform.core",
-           "--config", _write(tmp_path, cfg)]
+    cmd = [*torchrun_launch(2), "-m", "raytrain_platform.core", "--config", _write(tmp_path, cfg)]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240, env=env, check=False)

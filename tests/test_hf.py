@@ -22,7 +22,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import LM_TRAIN, ROOT, LayoutRuns, assert_losses_close, free_port, hf_config, torchrun_metrics
+from conftest import (LM_TRAIN, ROOT, LayoutRuns, assert_losses_close, hf_config, torchrun_launch,
+                      torchrun_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(600)
@@ -362,9 +363,7 @@ def test_the_head_runs_on_counted_tokens_with_the_same_loss_and_gradients(tmp_pa
     cfg = chat_config(tmp_path, case, tiny, **sections)  # section by section, key by key: LoRA joins model
     path = tmp_path / f"{case}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                           str(ROOT / "tests" / "counted_check.py"), str(path)],
+    proc = subprocess.run([*torchrun_launch(nproc), str(ROOT / "tests" / "counted_check.py"), str(path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -247,9 +247,8 @@ def test_block_options_reach_every_layouts_blocks(tmp_path):
     every block of the TP-sharded model, and every block of the rank's pipeline stages
     (1F1B: blocks 0-1 of 4; interleaved: stages 0 and 2, blocks 0 and 2), nothing else."""
     import subprocess
-    import sys
 
-    from conftest import ROOT, free_port
+    from conftest import ROOT, torchrun_launch
 
     layouts = {"tp_ac": {"tp_size": 2, "activation_checkpointing": True},
                "tp_compile": {"tp_size": 2, "compile": True},
@@ -257,8 +256,7 @@ def test_block_options_reach_every_layouts_blocks(tmp_path):
                "pp_interleaved_compile": {"pp_size": 2, "pp_schedule": "interleaved_1f1b", "compile": True}}
     script = tmp_path / "blocks.py"
     script.write_text(_BLOCKS_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
+    proc = subprocess.run([*torchrun_launch(2), str(script),
                            json.dumps(MODEL["kwargs"]), json.dumps(layouts)],
                           capture_output=True, text=True, cwd=ROOT, timeout=110,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT, free_port
+from conftest import ROOT, torchrun_launch
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.models.specs import GPTSpec, MLPSpec
 from raytrain_platform.plan import Layout, estimate_memory, generic_shape, gpt_shape, make_plan, mlp_shape, preset_shape
@@ -93,9 +93,7 @@ CASES = [(s, m) for s in ("ddp", "fsdp") for m in ("gpt", "mlp")] + [(s, "gpt") 
 def distributed_runs() -> dict[tuple[str, str], list[dict]]:
     """(layout label, model) -> every rank's measured and estimated bytes, in rank order:
     each layout built by parallel/registry.py `parallelize`, one real step."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "raytrain_platform.tools.measure_memory", "--model", "gpt", "mlp", "--kwargs", json.dumps(GPT_MP),
+    cmd = [*torchrun_launch(4), "-m", "raytrain_platform.tools.measure_memory", "--model", "gpt", "mlp", "--kwargs", json.dumps(GPT_MP),
            "--parallel", json.dumps(list(LAYOUTS.values()))]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

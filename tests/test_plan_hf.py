@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, free_port
+from conftest import ROOT, torchrun_launch
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.models.hf_shapes import SUPPORTED_MODEL_TYPES, hf_config_shape
@@ -236,9 +236,7 @@ MEASURED = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}, "tp2": {"t
 def test_tiny_llama_state_within_10pct_under_ddp_fsdp_tp(tiny_llama):
     """The issue's check: parameter, gradient and optimizer bytes on each of 2 ranks after
     one real AdamW step, against the estimate, under DDP, FSDP and TP."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "raytrain_platform.tools.measure_memory", "--model", "hf",
+    cmd = [*torchrun_launch(2), "-m", "raytrain_platform.tools.measure_memory", "--model", "hf",
            "--kwargs", json.dumps({"path": str(tiny_llama)}), "--micro-batch", "2",
            "--parallel", json.dumps(list(MEASURED.values()))]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False, env=ENV)
