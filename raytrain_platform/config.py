@@ -508,9 +508,6 @@ class JobConfig:
         for name, (verb, _) in par.BLOCK_OPTIONS.items():
             _check(family.has_blocks or not getattr(par, name), f"parallel.{name}", getattr(par, name),
                    f"false for model '{self.model.name}' (it has no repeated blocks to {verb})")
-        _check(not (par.compile and par.activation_checkpointing), "parallel.compile", par.compile,
-               "false with parallel.activation_checkpointing: a checkpointed Hugging Face layer runs eager "
-               "under compile, and compiling before checkpointing fails PyTorch's recompute check; use one")
         task = self.model.task
         if task == "lm":
             seq_len = self.seq_len

@@ -53,7 +53,8 @@ def test_auto_plans_any_layout_with_compile_or_checkpointing_on(tmp_path):
     # pinned to data parallel. At 40 MiB the plan picks TP x FSDP (above), compiled too
     # (compile does not change the memory). Checkpointing keeps only block inputs: FSDP
     # alone then fits at 40 MiB; at 28 MiB it does not, and TP x FSDP with checkpointing
-    # does. At 26 MiB nothing fits, and the ways out no longer name checkpointing.
+    # does, with compile too. At 26 MiB nothing fits, and the ways out no longer name
+    # checkpointing.
     def plan(budget, **parallel):
         cfg = _cfg(tmp_path, budget, global_batch=16)
         cfg["parallel"].update(parallel)
@@ -63,6 +64,9 @@ def test_auto_plans_any_layout_with_compile_or_checkpointing_on(tmp_path):
     assert (par.strategy, par.tp_size, par.compile) == ("fsdp", 2, True), par
     assert plan("40MiB", activation_checkpointing=True).tp_size == 1
     assert plan("28MiB", activation_checkpointing=True).tp_size == 2
+    # Both: compiled blocks recompute in their graphs, planned as checkpointed blocks.
+    both = plan("28MiB", activation_checkpointing=True, compile=True)
+    assert (both.strategy, both.tp_size, both.compile, both.activation_checkpointing) == ("fsdp", 2, True, True)
     with pytest.raises(ConfigError) as err:
         plan("26MiB", activation_checkpointing=True)
     msg = str(err.value)

@@ -61,7 +61,6 @@ def losses(rows: list[dict]) -> list[float]:
     ({"model": {"name": "mlp", "kwargs": {}}, "parallel": {"strategy": "ddp", "compile": True}},
      "parallel.compile"),
     ({"parallel": {"compile": "yes please"}}, "parallel.compile"),
-    ({"parallel": {"strategy": "ddp", "compile": True, "activation_checkpointing": True}}, "parallel.compile"),
 ])
 def test_fsdp_options_are_validated(tmp_path, patch, field):
     from raytrain_platform import ConfigError, load_config
@@ -77,21 +76,22 @@ def test_fsdp_options_accepted(tmp_path):
     cfg = load_config(gpt_config(tmp_path, "v", parallel={
         "strategy": "fsdp", "activation_checkpointing": True, "reshard_after_forward": False}))
     assert cfg.parallel.activation_checkpointing and not cfg.parallel.mixed_precision
-    # Activation checkpointing and compile need blocks, not FSDP, and work on every layout:
-    # data parallel, TP (x FSDP) and pipeline stages (tests/test_model_parallel.py, test_hf.py).
+    # Activation checkpointing and compile need blocks, not FSDP, and work on every layout,
+    # alone or together: data parallel, TP (x FSDP) and pipeline stages
+    # (tests/test_model_parallel.py, test_hf.py).
     layouts = [({"strategy": "none"}, 1), ({"strategy": "ddp"}, 2), ({"tp_size": 2}, 2),
                ({"tp_size": 2, "strategy": "fsdp"}, 4), ({"pp_size": 2}, 2), ({"pp_size": 2, "strategy": "ddp"}, 4)]
+    words = {"activation_checkpointing": "checkpointed", "compile": "compiled (TorchInductor, during the first step)"}
     for layout, workers in layouts:
-        for name in ("activation_checkpointing", "compile"):
-            cfg = load_config(gpt_config(tmp_path, "v", parallel={**layout, name: True},
+        for names in (["activation_checkpointing"], ["compile"], ["activation_checkpointing", "compile"]):
+            cfg = load_config(gpt_config(tmp_path, "v", parallel={**layout, **dict.fromkeys(names, True)},
                                          scaling={"num_workers": workers}))
-            assert getattr(cfg.parallel, name) and cfg.parallel.block_options_set() == [f"parallel.{name}"]
+            assert cfg.parallel.block_options_set() == [f"parallel.{name}" for name in names]
             # What `rtp train` prints first: the split, and that the first step compiles.
             split = "".join({"tp_size": "tp 2", "pp_size": "pp 2 1f1b"}.get(k, "") for k in layout)
             summary = cfg.summary()
-            assert f"worker(s) ({split + ', ' if split else ''}CPU); blocks " in summary, summary
-            assert ("compiled (TorchInductor, during the first step)" if name == "compile"
-                    else "checkpointed") in summary, summary
+            assert f"worker(s) ({split + ', ' if split else ''}CPU); blocks " + " and ".join(
+                words[name] for name in names) in summary, summary
     gpu = load_config(gpt_config(tmp_path, "g", parallel={"strategy": "fsdp", "mixed_precision": True,
                                                           "cpu_offload": True},
                                  scaling={"use_gpu": True}))

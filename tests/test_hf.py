@@ -180,6 +180,10 @@ LAYOUTS = {
     # cache in the run's own folder, where its compiled kernels show it really compiled.
     "fsdp2_compile": (2, {"parallel": {"strategy": "fsdp", "compile": True}, "data": {"batch_size": 4}},
                       {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-fsdp2"}),
+    # Both options: each layer compiled to recompute inside its own graph (parallel/compile.py).
+    "fsdp2_compile_ac": (2, {"parallel": {"strategy": "fsdp", "compile": True, "activation_checkpointing": True},
+                             "data": {"batch_size": 4}},
+                         {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-fsdp2-ac"}),
     # After TP: each layer checkpointed, or compiled (the first layer fed by the
     # vocabulary-split embedding), then FSDP2 over the data-parallel pairs.
     "tp2_ac": (2, {"parallel": {"tp_size": 2, "activation_checkpointing": True}}),
@@ -191,7 +195,7 @@ LAYOUTS = {
 }
 # Compiled layers fuse elementwise kernels, which may change float rounding; on this
 # model they stay within the eager layouts' tolerance (measured over the 10 steps, at
-# most: fsdp2_compile 8.8e-8 as fsdp2 and ddp2; tp2_compile 8.7e-8, tp2 1.7e-7).
+# most: fsdp2_compile 8.8e-8 as fsdp2 and ddp2; tp2_compile 8.7e-8, tp2 1.7e-7; fsdp2_compile_ac 8.8e-8).
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +207,7 @@ def runs(tmp_path_factory, tiny) -> LayoutRuns:
 
 # The 4-process TP x FSDP and the data-parallel activation-checkpointing layouts run with
 # the extended tests (pytest -m extended): the default suite keeps DDP, FSDP, TP, compiled
-# FSDP and TP, and TP with checkpointing.
+# FSDP and TP, TP with checkpointing, and compiled FSDP with checkpointing.
 _EXTENDED = {"tp2_fsdp2", "fsdp2_ac", "ddp2_ac", "tp2_fsdp2_compile"}
 
 
@@ -221,7 +225,7 @@ def test_every_layout_matches_one_process(runs, layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, eager_layout", [("fsdp2_compile", "fsdp2"), ("tp2_compile", "tp2"),
-                                                  ("tp2_ac", "tp2")])
+                                                  ("tp2_ac", "tp2"), ("fsdp2_compile_ac", "fsdp2")])
 def test_compiled_and_checkpointed_runs_save_the_models_own_parameter_names(runs, layout, eager_layout):
     """`parallel.compile` compiles each layer in place (TorchInductor built C++ kernels
     for them), and activation checkpointing wraps it: either way the checkpoint (FSDP's

@@ -88,6 +88,10 @@ LAYOUTS = {
                                                data={"batch_size": 8}, train=accum(2)), _inductor("pp2")),
     "tp2_ac_accum2": (2, dict(parallel={"tp_size": 2, "activation_checkpointing": True},
                               data={"batch_size": 8}, train=accum(2))),
+    # Both options: each stage's blocks compiled to recompute inside their graphs.
+    "pp2_1f1b_compile_ac_accum2": (2, dict(parallel={"pp_size": 2, "pp_schedule": "1f1b", "compile": True,
+                                                     "activation_checkpointing": True},
+                                           data={"batch_size": 8}, train=accum(2)), _inductor("pp2_1f1b")),
     # Stages under FSDP with checkpointed blocks (4 processes: extended).
     "pp2_fsdp2_ac_accum2": (4, dict(parallel={"pp_size": 2, "strategy": "fsdp", "activation_checkpointing": True},
                                     data={"batch_size": 4}, train=accum(2))),
@@ -183,6 +187,7 @@ def test_resume(tmp_path, runs, source, nproc, target):
 @pytest.mark.parametrize("source", ["tp2_fsdp2_accum2", "pp2_ddp2_accum2",
                                     "pp2_interleaved_accum2", "tp2_sp_accum2", "pp2_1f1b_ac_accum2",
                                     "pp2_interleaved_compile_accum2",
+                                    "pp2_1f1b_compile_ac_accum2",
                                     pytest.param("tp2_sp_compile_accum2", marks=pytest.mark.extended)])
 def test_export_consolidates(tmp_path, runs, source):
     """`rtp export` of a TP / PP / 2-D checkpoint: one safetensors file whose weights,
@@ -234,7 +239,9 @@ for name, par in json.loads(sys.argv[2]).items():
                           model_kwargs=kwargs)
     modules = list(wrapped.base.named_modules())  # a pipeline: this rank's stages, merged
     out[name] = {"checkpointed": sorted(n for n, m in modules if isinstance(m, CheckpointWrapper)),
-                 "compiled": sorted(n for n, m in modules if getattr(m, "_compiled_call_impl", None))}
+                 "compiled": sorted(n for n, m in modules if getattr(m, "_compiled_call_impl", None)),
+                 "recomputing": sorted(n for n, m in modules  # compiled to recompute inside the graph
+                                       if getattr(m._compiled_call_impl, "__name__", "") == "call_recomputing")}
 if dist.get_rank() == 0:
     print("BLOCKS " + json.dumps(out))
 dist.destroy_process_group()
@@ -243,9 +250,10 @@ dist.destroy_process_group()
 
 @pytest.mark.timeout(120)
 def test_block_options_reach_every_layouts_blocks(tmp_path):
-    """Which modules `parallelize` checkpointed or compiled, read back on rank 0 of 2:
-    every block of the TP-sharded model, and every block of the rank's pipeline stages
-    (1F1B: blocks 0-1 of 4; interleaved: stages 0 and 2, blocks 0 and 2), nothing else."""
+    """Which modules `parallelize` checkpointed or compiled (with both options: compiled
+    to recompute inside their graphs), read back on rank 0 of 2: every block of the
+    TP-sharded model, and every block of the rank's pipeline stages (1F1B: blocks 0-1
+    of 4; interleaved: stages 0 and 2, blocks 0 and 2), nothing else."""
     import subprocess
 
     from conftest import ROOT, torchrun_launch
@@ -253,7 +261,10 @@ def test_block_options_reach_every_layouts_blocks(tmp_path):
     layouts = {"tp_ac": {"tp_size": 2, "activation_checkpointing": True},
                "tp_compile": {"tp_size": 2, "compile": True},
                "pp_ac": {"pp_size": 2, "activation_checkpointing": True},
-               "pp_interleaved_compile": {"pp_size": 2, "pp_schedule": "interleaved_1f1b", "compile": True}}
+               "pp_interleaved_compile": {"pp_size": 2, "pp_schedule": "interleaved_1f1b", "compile": True},
+               "tp_both": {"tp_size": 2, "compile": True, "activation_checkpointing": True},
+               "pp_interleaved_both": {"pp_size": 2, "pp_schedule": "interleaved_1f1b", "compile": True,
+                                       "activation_checkpointing": True}}
     script = tmp_path / "blocks.py"
     script.write_text(_BLOCKS_SCRIPT)
     proc = subprocess.run([*torchrun_launch(2), str(script),
@@ -263,12 +274,15 @@ def test_block_options_reach_every_layouts_blocks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("BLOCKS "))[7:])
     every = [f"blocks.{i}" for i in range(4)]
-    assert got["tp_ac"] == {"checkpointed": every, "compiled": []}, got
-    assert got["tp_compile"] == {"checkpointed": [], "compiled": every}, got
-    assert got["pp_ac"] == {"checkpointed": ["blocks.0", "blocks.1"], "compiled": []}, got
-    assert got["pp_interleaved_compile"] == {"checkpointed": [], "compiled": ["blocks.0", "blocks.2"]}, got
+    assert got["tp_ac"] == {"checkpointed": every, "compiled": [], "recomputing": []}, got
+    assert got["tp_compile"] == {"checkpointed": [], "compiled": every, "recomputing": []}, got
+    assert got["pp_ac"] == {"checkpointed": ["blocks.0", "blocks.1"], "compiled": [], "recomputing": []}, got
+    rank0 = ["blocks.0", "blocks.2"]
+    assert got["pp_interleaved_compile"] == {"checkpointed": [], "compiled": rank0, "recomputing": []}, got
+    assert got["tp_both"] == {"checkpointed": [], "compiled": every, "recomputing": every}, got
+    assert got["pp_interleaved_both"] == {"checkpointed": [], "compiled": rank0, "recomputing": rank0}, got
     # Rank 0 says once per compiled model that the first step compiles, not once per stage.
-    assert proc.stdout.count("parallel.compile: ") == 2, proc.stdout
+    assert proc.stdout.count("parallel.compile: ") == 4, proc.stdout
 
 
 @pytest.mark.parametrize("patch,field,needle", [

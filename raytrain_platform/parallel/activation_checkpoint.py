@@ -3,7 +3,9 @@ forward and recomputed in backward (memory for compute), on the blocks the model
 family names (`ModelFamily.blocks`).
 
 ``checkpoint_wrapper`` keeps state_dict keys unchanged (its hooks strip the wrapper
-prefix), so checkpoints load with or without it.
+prefix), so checkpoints load with or without it. With ``parallel.compile`` too, blocks
+are not wrapped: each is compiled to recompute inside its own graph
+(parallel/compile.py says why).
 """
 
 from __future__ import annotations

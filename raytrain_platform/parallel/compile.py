@@ -3,11 +3,18 @@
 after tensor parallelism shards them (DTensor traces into the graph) and on each
 pipeline stage, before FSDP or DDP wraps the model (parallel/compose.py).
 
-Not with activation checkpointing (the config refuses the pair): a checkpointed
-Hugging Face decoder layer does not trace (its forward mutates a context variable
-inside the checkpoint, so dynamo falls back to eager and nothing is compiled), and a
-block compiled first and checkpointed after can fail PyTorch's recompute check when
-the forward and the recompute pick different compiled graphs (pytorch#166926).
+With ``parallel.activation_checkpointing`` too, the checkpointing happens inside each
+block's compiled graph (``recompute=True``): the partitioner that splits the graph into
+forward and backward is given an activation memory budget of 0, so the forward keeps
+only the graph's inputs (the block's input, and references to its weights) and the
+backward recomputes everything else, fused. That is full activation checkpointing per
+block, PyTorch's own memory-budget API (torch/_functorch/partitioners.py:
+``choose_saved_values_set`` returns the inputs at budget 0). The eager wrapper
+(parallel/activation_checkpoint.py) does not compose with compile here: a checkpointed
+Hugging Face decoder layer does not trace (its forward mutates a context variable inside
+the checkpoint, so dynamo falls back to eager and nothing is compiled), and a block
+compiled first and checkpointed after can fail PyTorch's recompute check when the
+forward and the recompute pick different compiled graphs (pytorch#166926).
 
 Per block, not the whole model: every block is an FSDP unit, so FSDP's all-gathers and
 reduce-scatters stay between compiled graphs, and blocks of one class share a graph.
@@ -25,6 +32,7 @@ than failing inside the first step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -58,12 +66,16 @@ def require_compiler(device: torch.device) -> None:
                               "(TorchInductor's GPU kernels; pip install triton)")
 
 
-def apply_compile(blocks: Sequence[tuple[str, nn.Module]], *, device: torch.device, announce: bool = False) -> None:
+def apply_compile(blocks: Sequence[tuple[str, nn.Module]], *, device: torch.device, announce: bool = False,
+                  recompute: bool = False) -> None:
     """Compile each of `blocks` (``(fully qualified name, module)``) in place; with
-    `announce` (rank 0, once per model), say that the first step will take longer. As
-    composed in parallel/compose.py, after TP and before FSDP::
+    `recompute`, each block's graph keeps only its inputs for backward (activation
+    checkpointing inside the graph); with `announce` (rank 0, once per model), say that
+    the first step will take longer. As composed in parallel/compose.py, after TP and
+    before FSDP::
 
-        apply_compile(blocks(model), device=env.device, announce=env.is_rank0)
+        apply_compile(blocks(model), device=env.device, announce=env.is_rank0,
+                      recompute=cfg.activation_checkpointing)
         apply_fsdp(model, env=env, cfg=cfg, blocks=blocks(model))
     """
     if not blocks:  # the config and resolve_job's precheck refuse these first; this is the last word
@@ -83,4 +95,29 @@ def apply_compile(blocks: Sequence[tuple[str, nn.Module]], *, device: torch.devi
         name = new if hasattr(config, new) else old
         setattr(config, name, max(getattr(config, name), floor))
     for _, block in blocks:
-        block.compile()
+        if recompute:
+            _compile_recomputing(block)
+        else:
+            block.compile()
+
+
+def _compile_recomputing(block: nn.Module) -> None:
+    """Compile `block` in place, as ``Module.compile()`` does, with the activation memory
+    budget at 0 while its graphs compile (the first call, and any recompile for a new
+    shape), so that each saves only its inputs. Scoped to this block's calls, not the
+    process. Dynamo keeps compiled graphs per code object: the block is called through a
+    function of its own, so a process that compiled the same class without recomputing
+    never reuses that graph here, nor the other way round (AOTAutograd's on-disk cache
+    has the budget in its key)."""
+    def call_recomputing(*args, **kwargs):
+        return block._call_impl(*args, **kwargs)
+
+    compiled = torch.compile(call_recomputing)
+    config = torch._functorch.config
+
+    @functools.wraps(call_recomputing)
+    def call(*args, **kwargs):
+        with config.patch(activation_memory_budget=0.0):
+            return compiled(*args, **kwargs)
+
+    block._compiled_call_impl = call  # what Module.compile() sets, and nn.Module calls

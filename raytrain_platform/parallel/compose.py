@@ -1,7 +1,7 @@
 """The one place parallelism is composed, in torchtitan's order (``parallelize_llama``):
-pipeline split, then tensor parallel, then activation checkpointing or compile on the
-repeated blocks (of the whole model, the TP-sharded one, or each pipeline stage), then
-FSDP or DDP.
+pipeline split, then tensor parallel, then activation checkpointing, compile, or both on
+the repeated blocks (of the whole model, the TP-sharded one, or each pipeline stage),
+then FSDP or DDP.
 Strategy files do not call each other; what the model contributes (its blocks, its
 tensor-parallel plan, its pipeline split) comes from its family (models/family.py).
 
@@ -83,13 +83,16 @@ def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks, ann
 
 
 def _block_options(model: nn.Module, *, env, cfg, blocks: Blocks, announce: bool = True) -> None:
-    """Activation checkpointing, then compile, on each repeated block of `model` (a
-    whole model, a TP'd one or a pipeline stage), before FSDP or DDP wraps it."""
-    if cfg.activation_checkpointing:
+    """Activation checkpointing, or compile, or both, on each repeated block of `model` (a
+    whole model, a TP'd one or a pipeline stage), before FSDP or DDP wraps it. Both: each
+    compiled block recomputes in its own graph (parallel/compile.py says why not the
+    eager wrapper)."""
+    if cfg.compile:
+        from raytrain_platform.parallel.compile import apply_compile
+
+        apply_compile(blocks(model), device=env.device, announce=announce and env.is_rank0,
+                      recompute=cfg.activation_checkpointing)
+    elif cfg.activation_checkpointing:
         from raytrain_platform.parallel.activation_checkpoint import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, blocks=blocks(model))
-    if cfg.compile:  # not with activation checkpointing (config.py says why)
-        from raytrain_platform.parallel.compile import apply_compile
-
-        apply_compile(blocks(model), device=env.device, announce=announce and env.is_rank0)
