@@ -167,11 +167,15 @@ LAYOUTS = {
     # Each decoder layer, its adapters inside, compiled (TorchInductor), then FSDP2.
     "fsdp2_compile": (2, {"parallel": {"strategy": "fsdp", "compile": True}, "data": {"batch_size": 4}},
                       {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-cache"}),
+    # The same, each layer compiled to recompute inside its graph (activation checkpointing too).
+    "fsdp2_compile_ac": (2, {"parallel": {"strategy": "fsdp", "compile": True, "activation_checkpointing": True},
+                             "data": {"batch_size": 4}},
+                         {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-cache-ac"}),
 }
 # The default suite runs DDP with accumulation (no_sync, then one all-reduce) and plain
-# FSDP; plain DDP, FSDP with accumulation and compiled FSDP run with the extended tests
-# (~30 s each here).
-_EXTENDED = {"ddp2", "fsdp2_accum", "fsdp2_compile"}
+# FSDP; plain DDP, FSDP with accumulation and compiled FSDP (with and without
+# checkpointing) run with the extended tests (~30 s each here).
+_EXTENDED = {"ddp2", "fsdp2_accum", "fsdp2_compile", "fsdp2_compile_ac"}
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +196,9 @@ def test_lora_layouts_match_one_process(runs, layout):
     one = _losses(runs["one"])
     assert len(one) == 10 and one[-1] < one[0] - 0.03, one  # the adapters learn
     assert_losses_close(_losses(runs[layout]), one, rtol=RTOL)
-    if layout == "fsdp2_compile":  # Inductor built C++ kernels: the layers really ran compiled
-        assert list((runs.root / "inductor-cache").rglob("*.so"))
+    if "compile" in layout:  # Inductor built C++ kernels: the layers really ran compiled
+        cache = Path(runs.layouts[layout][2]["TORCHINDUCTOR_CACHE_DIR"].format(root=runs.root))
+        assert list(cache.rglob("*.so")), cache
 
 
 @pytest.mark.slow
