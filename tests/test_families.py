@@ -223,6 +223,7 @@ from raytrain_platform.config import ParallelConfig
 from raytrain_platform.core.dist import DistEnv
 from raytrain_platform.models import get_family
 from raytrain_platform.parallel.compose import parallelize
+from raytrain_platform.parallel.memory import saved_activation_bytes
 
 fam = get_family(sys.argv[1])
 kwargs, out = fam.resolve_kwargs(json.loads(sys.argv[2])), {}
@@ -233,18 +234,9 @@ for option, par in {"eager": {}, "checkpointed": {"activation_checkpointing": Tr
     torch.manual_seed(0)
     model = parallelize(fam.build(kwargs), env=env, cfg=ParallelConfig(strategy="none", **par), family=fam,
                         model_kwargs=kwargs).module
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = []  # bytes of each tensor autograd keeps for backward that is not a weight
-
-    def keep(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            saved.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        logits = model(ids)
+    logits, saved = saved_activation_bytes(lambda: model(ids), list(model.parameters()))
     getattr(logits, "logits", logits).float().square().mean().backward()
-    out[option] = {"saved": sum(saved), "grads": [p.grad.norm().item() for p in model.parameters()]}
+    out[option] = {"saved": saved, "grads": [p.grad.norm().item() for p in model.parameters()]}
 print("SAVED " + json.dumps(out))
 """
 
@@ -254,8 +246,8 @@ print("SAVED " + json.dumps(out))
 def test_checkpointing_inside_compiled_blocks_keeps_what_eager_checkpointing_keeps(tmp_path, tiny, family):
     """Both block options: each compiled block recomputes inside its graph
     (parallel/compile.py), so autograd keeps, besides the weights, what the eager
-    checkpoint wrapper keeps (measured: gpt the same bytes; the tiny Llama 4% more, the
-    rotary cos/sin each layer's graph takes as inputs), far less than compile alone
+    checkpoint wrapper keeps (measured: gpt the same bytes; the tiny Llama 2.5% more, the
+    rotary cos/sin its layers' graphs take as inputs), far less than compile alone
     (a tenth to a fifth here), with the same gradients (measured 3.4e-7 relative at
     most, compile's own rounding). One process, in its own interpreter: dynamo's graphs
     and Inductor's compile workers stay out of pytest's. "both" compiles the same block

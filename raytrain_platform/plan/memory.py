@@ -121,6 +121,9 @@ class MemoryEstimate:
     local_params: int  # parameters this device holds (after TP, PP, FSDP)
     overhead_parts: tuple[tuple[str, int], ...] = field(default_factory=tuple)
     pp_rank: int = 0  # the pipeline rank estimated
+    # Of `activations`: one block's, live again while it is recomputed (activation
+    # checkpointing), so not among what the forward saves.
+    recomputed: int = 0
 
     @property
     def total(self) -> int:
@@ -241,10 +244,12 @@ def _mlp_activations(model: ModelShape, b: int, e: int) -> int:
     return linear_inputs + sum(hidden) * b * (e + mask) + 4 * b * widths[-1]
 
 
-def _activations(model: ModelShape, layout: Layout, pp_rank: int, e: int, r: int, checkpointing: bool) -> int:
+def _activations(model: ModelShape, layout: Layout, pp_rank: int, e: int, r: int,
+                 checkpointing: bool) -> tuple[int, int]:
+    """(activation bytes, of them the block live again during its recompute)."""
     b = layout.micro_batch
     if model.kind == "dense":
-        return _mlp_activations(model, b, e)
+        return _mlp_activations(model, b, e), 0
     part = rank_part(model, layout, pp_rank)
     full_block = _block_activations(model, b, layout.tp, e, r)
     if checkpointing:
@@ -254,7 +259,7 @@ def _activations(model: ModelShape, layout: Layout, pp_rank: int, e: int, r: int
         per_block, live = full_block, 0
     in_flight = min(layout.pp - pp_rank, layout.micro_batches)  # 1F1B: rank r holds pp - r micro-batches
     acts = part.blocks * per_block * in_flight + live
-    return acts + (_head_activations(model, b, e, r) if part.last else 0)
+    return acts + (_head_activations(model, b, e, r) if part.last else 0), live
 
 
 def _overhead(model: ModelShape, layout: Layout, pp_rank: int, precision: str,
@@ -296,11 +301,11 @@ def _estimate_rank(model: ModelShape, layout: Layout, pp_rank: int, precision: s
     params, grads, opt, local = _state_bytes(model, layout, pp_rank, optimizer, momentum, lora)
     e = 2 if precision == "bf16" else 4
     r = 4  # the residual stream stays fp32 under autocast
-    acts = _activations(model, layout, pp_rank, e, r, activation_checkpointing)
+    acts, recomputed = _activations(model, layout, pp_rank, e, r, activation_checkpointing)
     parts = _overhead(model, layout, pp_rank, precision, local, lora)
     return MemoryEstimate(params=params, grads=grads, optimizer=opt, activations=acts,
                           overhead=sum(b for _, b in parts), local_params=local,
-                          overhead_parts=tuple(parts), pp_rank=pp_rank)
+                          overhead_parts=tuple(parts), pp_rank=pp_rank, recomputed=recomputed)
 
 
 def estimate_memory(*, model: ModelShape, layout: Layout, precision: str = "fp32",

@@ -18,8 +18,9 @@ JSON line per run and rank: ``{"measured": {...}, "estimated": {...}, "rank": ..
 each rank's estimate for its own pipeline stage.
 Activation bytes are measured too (tensors autograd saves, each storage once, the
 parameters' own storages excluded) and compared with ``estimated_saved``: the
-activation estimate plus, under bf16, autocast's weight copies. Not under PP (None):
-the schedule frees each chunk's activations during its step.
+activation estimate plus, under bf16, autocast's weight copies, less, with activation
+checkpointing, the block live again during its recompute. Not under PP (None): the
+schedule frees each chunk's activations during its step.
 
 >>> import json, subprocess, sys
 >>> out = subprocess.run([sys.executable, "-m", "raytrain_platform.tools.measure_memory", "--model", "mlp"],
@@ -36,41 +37,9 @@ import os
 from typing import Any
 
 from raytrain_platform.models.registry import family_names, get_family
-from raytrain_platform.parallel.memory import local_tensor, state_bytes
+from raytrain_platform.parallel.memory import saved_activation_bytes, state_bytes
 
 __all__ = ["state_bytes", "measure"]
-
-
-def _storage(t: Any) -> Any:
-    local = local_tensor(t)
-    # A DTensor whose redistribution is still in flight (TP: an hf decoder layer's input) gives an
-    # AsyncCollectiveTensor, a wrapper without storage: its result tensor holds the bytes.
-    if hasattr(local, "trigger_wait"):
-        local = local.trigger_wait()
-    return local.untyped_storage()
-
-
-def _storage_ptr(t: Any) -> int:
-    return _storage(t).data_ptr()
-
-
-def _saved_activation_bytes(fn: Any, params: list) -> tuple[Any, int]:
-    """Run `fn` and count the bytes autograd saves for backward, each storage once;
-    parameters (and views of them, like a Linear's transposed weight) excluded."""
-    import torch
-
-    param_storages = {_storage_ptr(p) for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = _storage_ptr(t)
-        if ptr not in param_storages:
-            seen[ptr] = _storage(t).nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
 
 
 def _build(model_name: str, kwargs: dict) -> tuple[Any, Any, Any]:
@@ -130,7 +99,7 @@ def measure(*, model_name: str, strategy: str = "none", parallel: dict | None = 
     layout, pp_rank = _layout(par_cfg, env.world_size, micro_batch)
     # Before building: an impossible layout (TP of an mlp) is a ConfigError, not a crash.
     est = estimate_memory(model=shape, layout=layout, precision=precision, optimizer=optimizer,
-                          pp_rank=pp_rank)
+                          activation_checkpointing=par_cfg.activation_checkpointing, pp_rank=pp_rank)
     wrapped = parallelize(model, env=env, cfg=par_cfg, family=family, model_kwargs=family.resolve_kwargs(kwargs or {}))
     opt = build_optimizer(wrapped.base, TrainConfig(max_steps=1, optimizer=optimizer, precision=precision))
     inputs, targets = _batch(shape, micro_batch)
@@ -145,12 +114,13 @@ def measure(*, model_name: str, strategy: str = "none", parallel: dict | None = 
             with autocast:
                 return task.loss(wrapped.module(inputs), targets)
 
-        loss, act_bytes = _saved_activation_bytes(forward, list(wrapped.base.parameters()))
+        loss, act_bytes = saved_activation_bytes(forward, list(wrapped.base.parameters()))
         loss.backward()
     opt.step()
     measured = {**state_bytes(wrapped.base, opt), "activations": act_bytes}
-    # What autograd saves under autocast includes the bf16 weight copies (overhead).
-    saved = est.activations + dict(est.overhead_parts).get("bf16_weight_copies", 0)
+    # What autograd saves under autocast includes the bf16 weight copies (overhead); with
+    # activation checkpointing, not the block recomputed in backward.
+    saved = est.activations - est.recomputed + dict(est.overhead_parts).get("bf16_weight_copies", 0)
     return {"estimated_saved": saved, "model": model_name, "strategy": par_cfg.strategy,
             "parallel": parallel or {"strategy": strategy}, "optimizer": optimizer, "precision": precision,
             "world_size": env.world_size, "rank": env.rank, "pp_rank": pp_rank,
