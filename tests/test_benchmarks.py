@@ -142,6 +142,19 @@ def test_window_cache_smoke(tmp_path):
     assert result["loss_max_abs_diff"] < 1e-4, result  # the same windows, the same steps
 
 
+@pytest.mark.extended  # four torchrun runs, two of them compiled: ~1 min
+def test_block_options_smoke(tmp_path):
+    """Eager, checkpointed, compiled and both, on the tiny fine-tune: every side trains
+    the same steps to the same losses, and the activation bytes show what each keeps."""
+    _run(["benchmarks/block_options.py", "--smoke", "--out", str(tmp_path / "b.json")])
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert set(result["runs"]) == {"eager", "checkpointed", "compiled", "both"}, result
+    assert all(run["tokens_per_s"] > 0 for runs in result["runs"].values() for run in runs), result
+    assert result["loss_max_abs_diff"] < 1e-4, result
+    saved = result["activation_bytes"]
+    assert saved["checkpointed"] <= saved["both"] <= 1.05 * saved["checkpointed"] < saved["compiled"], saved
+
+
 @pytest.mark.extended  # a benchmark's whole pipeline (Ray, torchrun and accelerate launch), eager and compiled: ~2 min
 def test_vs_accelerate_smoke(tmp_path):
     """The fine-tune through the platform (Ray Train; the torchrun core) and as a plain
