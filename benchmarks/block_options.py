@@ -34,13 +34,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import rotated, stamp, torchrun_core, write_result  # noqa: E402
+from common import in_temp_folder, rotated, stamp, torchrun_core, write_result  # noqa: E402
 import vs_accelerate as va  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -121,12 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON result (default benchmarks/block_options.json; with --smoke: none)")
     args = p.parse_args(argv)
-    t0 = time.perf_counter()
     out = args.out or (None if args.smoke else BENCH / "block_options.json")
-    with tempfile.TemporaryDirectory(prefix="rtp-block-options-") as tmp:
-        result = measure(Path(tmp), smoke=args.smoke, repeats=args.repeats or (1 if args.smoke else 3), partial=out)
-    result.update(command=" ".join(["python benchmarks/block_options.py", *(sys.argv[1:] if argv is None else argv)]),
-                  seconds=round(time.perf_counter() - t0, 1))
+    result = in_temp_folder("block_options.py", argv, lambda folder: measure(
+        folder, smoke=args.smoke, repeats=args.repeats or (1 if args.smoke else 3), partial=out))
     print(json.dumps({k: result[k] for k in ("tokens_per_s_median", "over_eager", "both_over_checkpointed",
                                              "activation_bytes", "loss_max_abs_diff")}))
     write_result(result, out)

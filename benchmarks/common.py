@@ -19,7 +19,8 @@ if str(ROOT) not in sys.path:
 
 T = TypeVar("T")
 
-__all__ = ["ROOT", "interleaved", "load_avg", "local_ray", "median", "stamp", "tabular_data", "write_result"]
+__all__ = ["ROOT", "in_temp_folder", "interleaved", "load_avg", "local_ray", "median", "stamp", "tabular_data",
+           "write_result"]
 
 
 def interleaved(sides: dict[str, Callable[[int], T]], repeats: int, *, label: str = "") -> dict[str, list[T]]:
@@ -63,6 +64,19 @@ def write_result(result: dict, out: Path | None) -> None:
 
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
+
+
+def in_temp_folder(script: str, argv: Sequence[str] | None, measure: Callable[[Path], dict]) -> dict:
+    """`measure(folder)` in a fresh temporary folder, removed after; its result stamped with
+    the command that ran it (``python benchmarks/SCRIPT ARGS``) and the seconds it took."""
+    import tempfile
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"rtp-{Path(script).stem.replace('_', '-')}-") as tmp:
+        result = measure(Path(tmp))
+    args = sys.argv[1:] if argv is None else list(argv)
+    return {**result, "command": " ".join([f"python benchmarks/{script}", *args]),
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def free_port() -> int:

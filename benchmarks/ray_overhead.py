@@ -36,7 +36,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, load_avg, stamp, torchrun_command, write_result  # noqa: E402
+from common import ROOT, in_temp_folder, load_avg, stamp, torchrun_command, write_result  # noqa: E402
 import vs_accelerate as va  # noqa: E402
 
 BENCH = ROOT / "benchmarks"
@@ -382,12 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats is not None and args.repeats < 1:
         p.error(f"--repeats: a positive integer, got {args.repeats}")
     out = args.out or (None if args.smoke else BENCH / "ray_overhead.json")
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="rtp-ray-overhead-") as tmp:
-        result = measure(Path(tmp), smoke=args.smoke, repeats=args.repeats, sched_idle=args.sched_idle,
-                         llm_dir=args.llm_dir)
-    result.update(command=" ".join(["python benchmarks/ray_overhead.py", *(sys.argv[1:] if argv is None else argv)]),
-                  seconds=round(time.perf_counter() - t0, 1))
+    result = in_temp_folder("ray_overhead.py", argv, lambda folder: measure(
+        folder, smoke=args.smoke, repeats=args.repeats, sched_idle=args.sched_idle, llm_dir=args.llm_dir))
     print(table(result))
     print(f"Ray / torchrun step time: {result['ray_over_torchrun_step']:.3f}; {result['seconds']:.0f}s")
     write_result(result, out)

@@ -21,13 +21,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import load_avg, stamp, write_result  # noqa: E402
+from common import in_temp_folder, load_avg, stamp, write_result  # noqa: E402
 import vs_accelerate as va  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -85,11 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON result (default benchmarks/window_cache.json; with --smoke: none)")
     args = p.parse_args(argv)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="rtp-window-cache-") as tmp:
-        result = measure(Path(tmp), smoke=args.smoke, pairs=args.pairs or (1 if args.smoke else 3))
-    result.update(command=" ".join(["python benchmarks/window_cache.py", *(sys.argv[1:] if argv is None else argv)]),
-                  seconds=round(time.perf_counter() - t0, 1))
+    result = in_temp_folder("window_cache.py", argv, lambda folder: measure(
+        folder, smoke=args.smoke, pairs=args.pairs or (1 if args.smoke else 3)))
     print(json.dumps({k: result[k] for k in ("tokens_per_s_median", "ratio_kept_over_tokenized", "pair_ratios",
                                              "loss_max_abs_diff")}))
     out = args.out or (None if args.smoke else BENCH / "window_cache.json")
