@@ -19,7 +19,7 @@ head on counted tokens and on every position (the same weights, advancing; the f
 warm-up steps are left out), and each mode's median step is compared; the counted share
 is that of the timed steps' positions. Then, on one
 batch, the bytes autograd saves for backward in each mode (each storage once, the
-parameters excluded, as `tools/measure_memory.py` counts them).
+parameters excluded, as `parallel/memory.py`'s `saved_activation_bytes` counts them).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def measure_vocab(work: Path, vocab: int, size: dict) -> dict:
     from raytrain_platform.core.engine import Engine
     from raytrain_platform.data.local import LocalBatches
     from raytrain_platform.resolve import resolve_job
-    from raytrain_platform.tools.measure_memory import _saved_activation_bytes
+    from raytrain_platform.parallel.memory import saved_activation_bytes
     from raytrain_platform.tools.tiny_llm import make_all
 
     llm = work / f"llm{vocab}"
@@ -116,7 +116,7 @@ def measure_vocab(work: Path, vocab: int, size: dict) -> dict:
     losses: dict[str, float] = {}
     for mode in ("counted", "all"):
         engine.head = head if mode == "counted" else None
-        loss, saved[mode] = _saved_activation_bytes(
+        loss, saved[mode] = saved_activation_bytes(
             lambda: engine.micro_step(batch, sync=True, scale=1.0), list(engine.wrapped.base.parameters()))
         losses[mode] = float(loss)
         engine.optimizer.zero_grad(set_to_none=True)

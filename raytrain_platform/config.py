@@ -59,6 +59,16 @@ SEED_ALLOWED = "an integer from 0 to 2**32 - 1"
 TRACKERS: tuple[str, ...] = ("mlflow", "tensorboard")
 
 
+def recompute_dropout_error(where: str) -> ConfigError:
+    """Compile with activation checkpointing recomputes each block inside its compiled
+    graph, where dropout would draw other masks than the forward drew (PyTorch replays no
+    random op it recomputes there): refused while `where` draws dropout."""
+    return ConfigError("parallel.activation_checkpointing", True,
+                       f"false with parallel.compile while the blocks draw dropout ({where}): recomputed inside "
+                       "a compiled graph, dropout would draw other masks than the forward did; set the dropout "
+                       "to 0, or turn one of the two options off")
+
+
 def _check(ok: bool, path: str, value: object, allowed: str) -> None:
     if not ok:
         raise ConfigError(path, value, allowed)
@@ -508,6 +518,11 @@ class JobConfig:
         for name, (verb, _) in par.BLOCK_OPTIONS.items():
             _check(family.has_blocks or not getattr(par, name), f"parallel.{name}", getattr(par, name),
                    f"false for model '{self.model.name}' (it has no repeated blocks to {verb})")
+        if par.compile and par.activation_checkpointing:  # the model's own dropout: parallel/compile.py checks it
+            for where, p in (("model.kwargs.dropout", self.model.kwargs.get("dropout")),
+                             ("model.lora.dropout", (self.model.lora or {}).get("dropout"))):
+                if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+                    raise recompute_dropout_error(f"{where} = {p}")
         task = self.model.task
         if task == "lm":
             seq_len = self.seq_len

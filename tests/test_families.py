@@ -229,6 +229,7 @@ fam = get_family(sys.argv[1])
 kwargs, out = fam.resolve_kwargs(json.loads(sys.argv[2])), {}
 env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+eager = None
 for option, par in {"eager": {}, "checkpointed": {"activation_checkpointing": True}, "compiled": {"compile": True},
                     "both": {"compile": True, "activation_checkpointing": True}}.items():
     torch.manual_seed(0)
@@ -236,7 +237,10 @@ for option, par in {"eager": {}, "checkpointed": {"activation_checkpointing": Tr
                         model_kwargs=kwargs).module
     logits, saved = saved_activation_bytes(lambda: model(ids), list(model.parameters()))
     getattr(logits, "logits", logits).float().square().mean().backward()
-    out[option] = {"saved": saved, "grads": [p.grad.norm().item() for p in model.parameters()]}
+    grads = [p.grad for p in model.parameters()]
+    eager = eager or grads  # all gradients against eager's, as one vector: |g - e| / |e|
+    diff = sum(((g - e) ** 2).sum() for g, e in zip(grads, eager, strict=True)) ** 0.5
+    out[option] = {"saved": saved, "grad_diff": (diff / sum((e ** 2).sum() for e in eager) ** 0.5).item()}
 print("SAVED " + json.dumps(out))
 """
 
@@ -248,8 +252,8 @@ def test_checkpointing_inside_compiled_blocks_keeps_what_eager_checkpointing_kee
     (parallel/compile.py), so autograd keeps, besides the weights, what the eager
     checkpoint wrapper keeps (measured: gpt the same bytes; the tiny Llama 2.5% more, the
     rotary cos/sin its layers' graphs take as inputs), far less than compile alone
-    (a tenth to a fifth here), with the same gradients (measured 3.4e-7 relative at
-    most, compile's own rounding). One process, in its own interpreter: dynamo's graphs
+    (a tenth to a fifth here), with the same gradients (all of them as one vector:
+    measured 2.9e-7 relative, compile's own rounding). One process, in its own interpreter: dynamo's graphs
     and Inductor's compile workers stay out of pytest's. "both" compiles the same block
     class after "compiled" did in that interpreter, so a graph reused from it (which
     keeps what compile alone keeps) fails the test."""
@@ -264,10 +268,8 @@ def test_checkpointing_inside_compiled_blocks_keeps_what_eager_checkpointing_kee
     assert saved["checkpointed"] < 0.2 * saved["eager"], saved  # the wrapper really drops activations
     assert saved["checkpointed"] <= saved["both"] <= 1.05 * saved["checkpointed"], saved
     assert saved["both"] < 0.25 * saved["compiled"], saved
-    eager = got["eager"]["grads"]
     for option in ("checkpointed", "compiled", "both"):
-        assert len(got[option]["grads"]) == len(eager)
-        torch.testing.assert_close(got[option]["grads"], eager, rtol=1e-5, atol=1e-9)
+        assert got[option]["grad_diff"] < 1e-5, got
 
 
 def test_gpt_seq_len_defaults_to_block_size_and_may_not_exceed_it(tmp_path):

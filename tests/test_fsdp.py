@@ -61,6 +61,11 @@ def losses(rows: list[dict]) -> list[float]:
     ({"model": {"name": "mlp", "kwargs": {}}, "parallel": {"strategy": "ddp", "compile": True}},
      "parallel.compile"),
     ({"parallel": {"compile": "yes please"}}, "parallel.compile"),
+    # Both block options recompute inside compiled graphs, which would redraw dropout masks.
+    ({"model": {"name": "gpt", "kwargs": {"dropout": 0.1}},
+      "parallel": {"compile": True, "activation_checkpointing": True}}, "parallel.activation_checkpointing"),
+    ({"model": {"name": "gpt", "kwargs": {}, "lora": {"dropout": 0.05, "target_modules": ["q_proj"]}},
+      "parallel": {"compile": True, "activation_checkpointing": True}}, "parallel.activation_checkpointing"),
 ])
 def test_fsdp_options_are_validated(tmp_path, patch, field):
     from raytrain_platform import ConfigError, load_config

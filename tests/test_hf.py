@@ -189,6 +189,8 @@ LAYOUTS = {
     "tp2_ac": (2, {"parallel": {"tp_size": 2, "activation_checkpointing": True}}),
     "tp2_compile": (2, {"parallel": {"tp_size": 2, "compile": True}},
                     {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-tp2"}),
+    "tp2_compile_ac": (2, {"parallel": {"tp_size": 2, "compile": True, "activation_checkpointing": True}},
+                       {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-tp2-ac"}),
     "tp2_fsdp2_compile": (4, {"parallel": {"tp_size": 2, "strategy": "fsdp", "compile": True},
                               "data": {"batch_size": 4}},
                           {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-tp2-fsdp2"}),
@@ -205,10 +207,11 @@ def runs(tmp_path_factory, tiny) -> LayoutRuns:
                       lambda root, name, **sections: hf_config(root, name, tiny["model"], **sections))
 
 
-# The 4-process TP x FSDP and the data-parallel activation-checkpointing layouts run with
-# the extended tests (pytest -m extended): the default suite keeps DDP, FSDP, TP, compiled
-# FSDP and TP, TP with checkpointing, and compiled FSDP with checkpointing.
-_EXTENDED = {"tp2_fsdp2", "fsdp2_ac", "ddp2_ac", "tp2_fsdp2_compile"}
+# The 4-process TP x FSDP, the data-parallel activation-checkpointing and the compiled and
+# checkpointed TP layouts run with the extended tests (pytest -m extended): the default
+# suite keeps DDP, FSDP, TP, compiled FSDP and TP, TP with checkpointing, and compiled
+# FSDP with checkpointing.
+_EXTENDED = {"tp2_fsdp2", "fsdp2_ac", "ddp2_ac", "tp2_fsdp2_compile", "tp2_compile_ac"}
 
 
 @pytest.mark.slow
@@ -317,6 +320,30 @@ def test_compile_without_a_cpp_compiler_is_one_line_and_exit_2(tmp_path, tiny):
                       "(TorchInductor builds C++ there and found none of ['no-such-c++']: install g++, or set "
                       "CXX to one)"], proc.stderr
     assert not (Path(cfg["run"]["storage_path"]) / "no_cxx" / "metrics.jsonl").exists()
+
+
+def test_compiled_checkpointing_with_dropout_in_the_layers_is_one_line_and_exit_2(tmp_path, tiny):
+    """Both block options recompute each layer inside its compiled graph, where dropout
+    would draw other masks than the forward did: a model whose layers draw dropout
+    (here transformers' attention_dropout from config.json) stops when it is built, in
+    one line naming where, before anything compiles or trains."""
+    model = tmp_path / "dropout-model"
+    shutil.copytree(tiny["model"], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    cfg = hf_config(tmp_path, "dropout", model, parallel={"compile": True, "activation_checkpointing": True})
+    path = tmp_path / "dropout.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "raytrain_platform.core", "--config", str(path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: parallel.activation_checkpointing = True: expected false with parallel.compile while "
+                      "the blocks draw dropout (model.layers.0.self_attn.attention_dropout = 0.1): recomputed "
+                      "inside a compiled graph, dropout would draw other masks than the forward did; set the "
+                      "dropout to 0, or turn one of the two options off"], proc.stderr
+    assert not (Path(cfg["run"]["storage_path"]) / "dropout" / "metrics.jsonl").exists()
 
 
 # ---------------------------------------------------------------- the LM head on counted tokens

@@ -36,8 +36,10 @@ import functools
 from collections.abc import Sequence
 
 import torch
+import torch._functorch.config
 from torch import nn
 
+from raytrain_platform.config import recompute_dropout_error
 from raytrain_platform.errors import ConfigError
 
 __all__ = ["apply_compile", "require_compiler"]
@@ -82,6 +84,9 @@ def apply_compile(blocks: Sequence[tuple[str, nn.Module]], *, device: torch.devi
         raise ConfigError("parallel.compile", True, "false for a model without repeated blocks "
                           "(name their class with model.block_class)")
     require_compiler(device)
+    where = _dropout(blocks) if recompute else None
+    if where:
+        raise recompute_dropout_error(where)
     if announce:
         print("parallel.compile: the model's blocks compile during the first step (TorchInductor; "
               "later runs reuse its cache)", flush=True)
@@ -101,23 +106,46 @@ def apply_compile(blocks: Sequence[tuple[str, nn.Module]], *, device: torch.devi
             block.compile()
 
 
-def _compile_recomputing(block: nn.Module) -> None:
-    """Compile `block` in place, as ``Module.compile()`` does, with the activation memory
-    budget at 0 while its graphs compile (the first call, and any recompile for a new
-    shape), so that each saves only its inputs. Scoped to this block's calls, not the
-    process. Dynamo keeps compiled graphs per code object: the block is called through a
-    function of its own, so a process that compiled the same class without recomputing
-    never reuses that graph here, nor the other way round (AOTAutograd's on-disk cache
-    has the budget in its key)."""
-    def call_recomputing(*args, **kwargs):
-        return block._call_impl(*args, **kwargs)
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
-    compiled = torch.compile(call_recomputing)
+
+def _dropout(blocks: Sequence[tuple[str, nn.Module]]) -> str | None:
+    """The first place `blocks` draw dropout in training, or None: a dropout module with
+    p > 0 (peft's LoRA dropout is one), or a probability an attention passes to its kernel
+    (`gpt`'s ``dropout``, transformers' ``attention_dropout``)."""
+    for fqn, block in blocks:
+        for name, module in block.named_modules():
+            where = f"{fqn}.{name}" if name else fqn
+            if isinstance(module, _DROPOUT_MODULES) and module.p > 0:
+                return f"{where} p = {module.p}"
+            for attr in ("dropout", "attention_dropout", "dropout_p"):
+                p = vars(module).get(attr)  # a plain attribute, not a submodule
+                if isinstance(p, float) and p > 0:
+                    return f"{where}.{attr} = {p}"
+    return None
+
+
+def _compile_recomputing(block: nn.Module) -> None:
+    """Compile `block`'s forward in place with the activation memory budget at 0 while
+    its graphs compile (the first call, and any recompile for a new shape), so that each
+    saves only its inputs. Scoped to this block's calls, not the process (one thread runs
+    a model's blocks). The forward, not ``Module.compile()``'s whole call: the module's
+    hooks (FSDP2's all-gather and reshard, which dynamo does not trace) run eagerly around
+    one graph instead of breaking it into pieces that each keep their own inputs. And a
+    function of its own: dynamo keeps compiled graphs per code object, so a process that
+    compiled the same class without recomputing never hands this block that graph, nor
+    the other way round (AOTAutograd's on-disk cache has the budget in its key)."""
+    forward = block.forward
+
+    def forward_recomputing(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    compiled = torch.compile(forward_recomputing)
     config = torch._functorch.config
 
-    @functools.wraps(call_recomputing)
+    @functools.wraps(forward_recomputing)
     def call(*args, **kwargs):
         with config.patch(activation_memory_budget=0.0):
             return compiled(*args, **kwargs)
 
-    block._compiled_call_impl = call  # what Module.compile() sets, and nn.Module calls
+    block.forward = call  # an instance attribute: nn.Module's call runs its hooks around it

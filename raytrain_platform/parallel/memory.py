@@ -36,22 +36,24 @@ def _storage(t: Any) -> Any:
 
 
 def saved_activation_bytes(fn: Any, params: list) -> tuple[Any, int]:
-    """Run `fn` and count the bytes autograd saves for backward, each storage once;
-    parameters (and views of them, like a Linear's transposed weight) excluded."""
+    """Run `fn` and count the bytes autograd holds for backward once it returns, each
+    storage once; parameters (and views of them, like a Linear's transposed weight)
+    excluded, and so are FSDP2's gathered weights that a block saved: FSDP2 frees them
+    after the block's forward (they are gathered again for its backward)."""
     import torch
 
     param_storages = {_storage(p).data_ptr() for p in params}
-    seen: dict[int, int] = {}
+    seen: dict[int, Any] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = _storage(t)
         if storage.data_ptr() not in param_storages:
-            seen[storage.data_ptr()] = storage.nbytes()
+            seen.setdefault(storage.data_ptr(), storage)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return out, sum(seen.values())
+    return out, sum(storage.nbytes() for storage in seen.values())  # a freed storage: 0
 
 
 def _nbytes(t: Any) -> int:

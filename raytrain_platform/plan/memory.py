@@ -130,7 +130,9 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.overhead
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "overhead_parts": dict(self.overhead_parts), "total": self.total}
+        # `recomputed` is a part of `activations`, not another term of the total: left out.
+        fields = {k: v for k, v in asdict(self).items() if k != "recomputed"}
+        return {**fields, "overhead_parts": dict(self.overhead_parts), "total": self.total}
 
 
 @dataclass(frozen=True)
