@@ -32,7 +32,7 @@ from raytrain_platform.models.family import TASKS
 from raytrain_platform.models.lora import resolve_lora
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.parallel.dims import PP_SCHEDULES, ParallelDims
-from raytrain_platform.parallel.registry import STRATEGIES, strategy_names
+from raytrain_platform.parallel.registry import STRATEGIES, recompute_dropout_error, strategy_names
 from raytrain_platform.units import parse_size
 
 __all__ = [
@@ -57,16 +57,6 @@ SEED_LIMIT = 2**32  # numpy's and every generator's range; torch takes it too
 SEED_ALLOWED = "an integer from 0 to 2**32 - 1"
 # Experiment trackers `run.tracking` accepts; raytrain_platform/tracking/ implements each.
 TRACKERS: tuple[str, ...] = ("mlflow", "tensorboard")
-
-
-def recompute_dropout_error(where: str) -> ConfigError:
-    """Compile with activation checkpointing recomputes each block inside its compiled
-    graph, where dropout would draw other masks than the forward drew (PyTorch replays no
-    random op it recomputes there): refused while `where` draws dropout."""
-    return ConfigError("parallel.activation_checkpointing", True,
-                       f"false with parallel.compile while the blocks draw dropout ({where}): recomputed inside "
-                       "a compiled graph, dropout would draw other masks than the forward did; set the dropout "
-                       "to 0, or turn one of the two options off")
 
 
 def _check(ok: bool, path: str, value: object, allowed: str) -> None:

@@ -9,7 +9,9 @@ forward and backward is given an activation memory budget of 0, so the forward k
 only the graph's inputs (the block's input, and references to its weights) and the
 backward recomputes everything else, fused. That is full activation checkpointing per
 block, PyTorch's own memory-budget API (torch/_functorch/partitioners.py:
-``choose_saved_values_set`` returns the inputs at budget 0). The eager wrapper
+``choose_saved_values_set`` returns the inputs at budget 0). Refused while the blocks
+draw dropout: at budget 0 a random op is recomputed without being replayed, so the
+backward would draw other masks than the forward did. The eager wrapper
 (parallel/activation_checkpoint.py) does not compose with compile here: a checkpointed
 Hugging Face decoder layer does not trace (its forward mutates a context variable inside
 the checkpoint, so dynamo falls back to eager and nothing is compiled), and a block
@@ -39,8 +41,8 @@ import torch
 import torch._functorch.config
 from torch import nn
 
-from raytrain_platform.config import recompute_dropout_error
 from raytrain_platform.errors import ConfigError
+from raytrain_platform.parallel.registry import recompute_dropout_error
 
 __all__ = ["apply_compile", "require_compiler"]
 

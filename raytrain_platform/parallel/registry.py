@@ -15,7 +15,7 @@ from typing import Callable, Union
 
 from raytrain_platform.errors import ConfigError
 
-__all__ = ["Strategy", "STRATEGIES", "strategy_names", "get_strategy"]
+__all__ = ["Strategy", "STRATEGIES", "strategy_names", "get_strategy", "recompute_dropout_error"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +60,15 @@ def get_strategy(name: str) -> Strategy:
     if name not in STRATEGIES:
         raise ConfigError("parallel.strategy", name, f"one of {strategy_names()}")
     return STRATEGIES[name]
+
+
+def recompute_dropout_error(where: str) -> ConfigError:
+    """Compile with activation checkpointing recomputes each block inside its compiled
+    graph, where dropout would draw other masks than the forward drew (PyTorch replays
+    no random op it recomputes there): refused while `where` draws dropout. Here, in a
+    torch-free module: config.py raises it before Ray, parallel/compile.py when the
+    model is built."""
+    return ConfigError("parallel.activation_checkpointing", True,
+                       f"false with parallel.compile while the blocks draw dropout ({where}): recomputed inside "
+                       "a compiled graph, dropout would draw other masks than the forward did; set the dropout "
+                       "to 0, or turn one of the two options off")
