@@ -1,7 +1,7 @@
 """Pretrained weights straight into shards: peak memory per rank while loading a
-Hugging Face checkpoint of >= 300M parameters with FSDP on 2 ranks, against loading
-the whole model in one process. Goal (issue 17): each rank's peak <= 0.6x the
-one-process peak.
+Hugging Face checkpoint of >= 300M parameters with FSDP, and in pipeline stages, on 2
+ranks, against loading the whole model in one process. Goal (issue 17): each rank's
+peak <= 0.6x the one-process peak.
 
     python benchmarks/hf_load.py                      # writes a 311M Llama once, then measures
     python benchmarks/hf_load.py --smoke              # a tiny model, one repeat (what the tests run)
@@ -11,6 +11,9 @@ Sides, each in a fresh process, interleaved over repeats:
 - ``fsdp2``: the platform's path (core/engine.py `_build`): the model built on the
   meta device, `fully_shard` per decoder layer (parallel/compose.py), ``to_empty``,
   then each rank reads only its slices of the safetensors files (core/weights.py);
+- ``pp2``: two pipeline stages (models/hf_pipeline.py): each rank keeps its half of the
+  decoder layers of the meta model (rank 0 the embedding, rank 1 the norm and LM head)
+  and reads only those tensors, whole;
 - ``one``: the same loader in one process, no sharding (every tensor whole);
 - ``from_pretrained``: ``transformers.AutoModelForCausalLM.from_pretrained``, for reference.
 
@@ -79,14 +82,20 @@ def worker(side: str, model_dir: str) -> dict:
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
     else:
         model = fam.build(kw, device="meta")
+        parts = [model]  # what this rank holds: the model, its FSDP shards, or its stage
         if side == "fsdp2":
             parallelize(model, env=env, cfg=ParallelConfig(strategy="fsdp"), family=fam, model_kwargs=kw)
+        elif side == "pp2":
+            parts = parallelize(model, env=env, cfg=ParallelConfig(strategy="none", pp_size=2), family=fam,
+                                model_kwargs=kw).pipeline.parts
         before = _status("VmRSS")
         _reset_peak()
         t0 = time.perf_counter()
-        materialize(model, env.device)
-        fam.init_buffers(model, env.device)
-        load_safetensors(model, fam.pretrained_files(kw))
+        for part in parts:  # as core/engine.py `_fill` does
+            materialize(part, env.device)
+            fam.init_buffers(part, env.device)
+            load_safetensors(part, fam.pretrained_files(kw))
+        model = parts[0]
     # Read every weight held, inside the measured window: transformers maps the files and
     # reads pages only when a weight is first used; this counts them on every side alike.
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
@@ -105,11 +114,11 @@ def worker(side: str, model_dir: str) -> dict:
     else:
         rows = [{"peak_bytes": peak, "held_params": held}]
     return {"side": side, "seconds": seconds, "sum_sq": float(sq), "ranks": rows,
-            "num_params": sum(p.numel() for p in model.parameters()) if side != "fsdp2" else None}
+            "num_params": sum(p.numel() for p in model.parameters()) if side in ("one", "from_pretrained") else None}
 
 
 def _run_side(side: str, model_dir: str) -> dict:
-    nproc = 2 if side == "fsdp2" else 1
+    nproc = 2 if side in ("fsdp2", "pp2") else 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), __file__, "--worker", side,
            "--dir", model_dir]
@@ -146,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else BIG
     model_dir = ensure_model(Path(args.dir + ("-smoke" if args.smoke else "")), sizes)
     repeats = 1 if args.smoke else args.repeats
-    runs: dict[str, list[dict]] = {s: [] for s in ("fsdp2", "one", "from_pretrained")}
+    runs: dict[str, list[dict]] = {s: [] for s in ("fsdp2", "pp2", "one", "from_pretrained")}
     for i in range(repeats):
         for side in runs:
             r = _run_side(side, str(model_dir))
@@ -156,15 +165,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"(load {load_avg():.1f})", flush=True)
     one_peak = statistics.median([r["ranks"][0]["peak_bytes"] for r in runs["one"]])
     fsdp_peak = statistics.median([max(x["peak_bytes"] for x in r["ranks"]) for r in runs["fsdp2"]])
+    pp_peak = statistics.median([max(x["peak_bytes"] for x in r["ranks"]) for r in runs["pp2"]])
     hf_peak = statistics.median([r["ranks"][0]["peak_bytes"] for r in runs["from_pretrained"]])
     sums = {s: runs[s][0]["sum_sq"] for s in runs}
     summary = {
         **stamp(), "model_dir": str(model_dir), "num_params": runs["one"][0]["num_params"],
         "one_process_peak_MiB": one_peak / 2**20, "fsdp2_rank_peak_MiB": fsdp_peak / 2**20,
+        "pp2_rank_peak_MiB": pp_peak / 2**20,
         "from_pretrained_peak_MiB": hf_peak / 2**20, "ratio_fsdp2_rank_vs_one": fsdp_peak / one_peak,
+        "ratio_pp2_rank_vs_one": pp_peak / one_peak,
         "ratio_fsdp2_rank_vs_from_pretrained": fsdp_peak / hf_peak, "goal": "<= 0.6",
-        "weights_equal": abs(sums["fsdp2"] - sums["one"]) <= 1e-9 * abs(sums["one"]) and
-        abs(sums["from_pretrained"] - sums["one"]) <= 1e-9 * abs(sums["one"]),
+        "weights_equal": all(abs(sums[s] - sums["one"]) <= 1e-9 * abs(sums["one"])
+                             for s in ("fsdp2", "pp2", "from_pretrained")),
+        "held_params_per_rank": {s: [x["held_params"] for x in runs[s][0]["ranks"]] for s in ("fsdp2", "pp2")},
         "load_seconds": {s: statistics.median([r["seconds"] for r in runs[s]]) for s in runs}, "repeats": repeats,
     }
     print(json.dumps(summary, indent=2))

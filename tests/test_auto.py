@@ -137,7 +137,7 @@ def test_rtp_train_logs_its_choice_and_trains(tmp_path):
 
 
 def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
-    # An hf model with tied input and output embeddings has no TP (models/hf.py); a
+    # An hf model with tied input and output embeddings has no TP and no PP (models/hf.py); a
     # budget where the untied model gets TP x FSDP then gets "none fits" (or a
     # data-parallel layout), never a layout the config check refuses (parallel.tp_size).
     tied = tmp_path / "tied"
@@ -166,8 +166,8 @@ def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
     hf = {"model": {"name": "hf", "kwargs": {"path": str(tied)}},
           "data": {"source": "jsonl", "path": str(tiny["chat"]), "format": "chat", "seq_len": 64, "batch_size": 4},
           "train": {"max_steps": 4}, "run": {"name": "p", "storage_path": str(tmp_path)}}
-    assert pins(hf) == {"tp": 1, "pp": 1}  # tied embeddings: no TP; hf: no pipeline split
-    assert pins({**hf, "model": {"name": "hf", "kwargs": {"path": str(tiny["model"])}}}) == {"pp": 1}
+    assert pins(hf) == {"tp": 1, "pp": 1}  # tied embeddings: no TP, no pipeline split
+    assert pins({**hf, "model": {"name": "hf", "kwargs": {"path": str(tiny["model"])}}}) == {}  # a Llama: both
     gpt3 = _cfg(tmp_path, "1GiB")
     gpt3["model"]["kwargs"] = {**GPT, "n_layer": 3}
     assert pins(gpt3) == {}  # gpt: both splits
@@ -186,7 +186,8 @@ def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
     assert out.returncode == 0, out.stderr
     rows = {line.split("  ")[0]: line for line in out.stdout.splitlines()}
     assert "n/a: parallel.tp_size must be 1 for a model with tied input and output embeddings" in rows["TP x FSDP"]
-    assert "n/a: parallel.pp_size must be 1 for model 'hf'" in rows["PP x DP"], out.stdout
+    assert "n/a: parallel.pp_size must be 1 for a model with tied input and output embeddings" in rows["PP x DP"], \
+        out.stdout
     out = subprocess.run([*plan_cmd, "--model", f"hf:{tied}", "--tp", "2"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and out.stderr.startswith("error: --tp = 2: expected 1: parallel.tp_size must be 1 "
                                                          "for a model with tied"), out.stderr

@@ -107,6 +107,19 @@ def test_counted_logits_smoke(tmp_path):
     assert got["saved_bytes"]["counted"] < got["saved_bytes"]["all"], got
 
 
+@pytest.mark.extended  # four torchrun launches
+def test_hf_load_smoke(tmp_path):
+    """Pretrained weights into FSDP2 shards and into pipeline stages on 2 ranks, against
+    one process: every side holds the checkpoint's weights exactly, each rank about half."""
+    out = _run(["benchmarks/hf_load.py", "--smoke", "--dir", str(tmp_path / "llama")])
+    summary = json.loads(out[out.index("{"):])
+    assert summary["weights_equal"], summary
+    whole = summary["num_params"]
+    for side in ("fsdp2", "pp2"):
+        held = summary["held_params_per_rank"][side]
+        assert len(held) == 2 and all(0.4 * whole < h < 0.6 * whole for h in held), (side, held, whole)
+
+
 def test_count_pass_smoke(tmp_path):
     """The count pass batched in one process and on 2 worker processes,
     small files (~15 s): the benchmark itself checks that every side keeps the same

@@ -2,7 +2,7 @@
 by tools/tiny_llm.py: a config, `save_pretrained`, a byte-level BPE tokenizer).
 
 Pretrained weights load into shards (each rank its slices); every layout (DDP, FSDP2
-per decoder layer, FSDP + activation checkpointing, TP, TP x FSDP) matches one process
+per decoder layer, FSDP + activation checkpointing, TP, TP x FSDP, PP, PP x FSDP) matches one process
 over 10 optimizer steps under torchrun (Ray-free; the Ray path runs the same engine,
 shown in tests/test_families.py and tests/test_hf_data.py); export to Hugging Face
 layout loads in `transformers` with the platform's own logits; resume at another world
@@ -79,14 +79,17 @@ def _validate(cfg: dict, tmp: Path) -> subprocess.CompletedProcess:
 def _bad_dirs(root: Path, good: Path) -> dict[str, Path]:
     """Model directories, each broken in one way."""
     dirs = {}
-    for name in ("no_config", "no_weights", "remote_code", "not_causal", "pickled", "bad_json"):
+    for name in ("no_config", "no_weights", "remote_code", "not_causal", "pickled", "bad_json", "tied", "gpt2"):
         d = root / name
         shutil.copytree(good, d)
         dirs[name] = d
     (dirs["no_config"] / "config.json").unlink()
     (dirs["no_weights"] / "model.safetensors").unlink()
     for name, patch in (("remote_code", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}),
-                        ("not_causal", {"architectures": ["LlamaForSequenceClassification"]})):
+                        ("not_causal", {"architectures": ["LlamaForSequenceClassification"]}),
+                        ("tied", {"tie_word_embeddings": True}),  # a working model, no split: TP, PP
+                        # a causal LM transformers knows, not Llama-style: no TP plan, no stages
+                        ("gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})):
         conf = json.loads((dirs[name] / "config.json").read_text())
         (dirs[name] / "config.json").write_text(json.dumps({**conf, **patch}))
     (dirs["pickled"] / "model.safetensors").rename(dirs["pickled"] / "pytorch_model.bin")
@@ -108,8 +111,19 @@ def test_bad_model_directories_are_one_line_exit_2_before_ray(tmp_path, tiny):
         ({"path": str(tiny["model"])}, {"data": {"seq_len": 999}}, "data.seq_len", "at most 256"),
         ({"path": str(tiny["model"])}, {"parallel": {"tp_size": 4}, "scaling": {"num_workers": 4}},
          "parallel.tp_size", "num_key_value_heads (2)"),
-        ({"path": str(tiny["model"])}, {"parallel": {"pp_size": 2}, "scaling": {"num_workers": 2}},
-         "parallel.pp_size", "no pipeline split for Hugging Face models"),
+        ({"path": str(tiny["model"])}, {"parallel": {"pp_size": 4}, "scaling": {"num_workers": 4}},
+         "parallel.pp_size", "at most num_hidden_layers (2) pipeline stages in all (4 ranks x 1 per rank = 4)"),
+        ({"path": str(tiny["model"])}, {"parallel": {"pp_size": 2, "pp_split": [2, 1]},
+                                        "scaling": {"num_workers": 2}},
+         "parallel.pp_split", "2 layer counts (one per stage) summing to num_hidden_layers (2)"),
+        ({"path": str(dirs["tied"])}, {"parallel": {"pp_size": 2}, "scaling": {"num_workers": 2}},
+         "parallel.pp_size", "1 for a model with tied input and output embeddings (the first stage holds the "
+                             "embedding, the last the LM head)"),
+        ({"path": str(dirs["tied"])}, {"parallel": {"tp_size": 2}, "scaling": {"num_workers": 2}},
+         "parallel.tp_size", "1 for a model with tied input and output embeddings (TP splits"),
+        ({"path": str(dirs["gpt2"]), "init": "random"}, {"parallel": {"pp_size": 2}, "scaling": {"num_workers": 2}},
+         "parallel.pp_size", "1 for model_type 'gpt2' (a tensor-parallel plan and a pipeline split exist for "
+                             "['llama', 'mistral', 'qwen2', 'qwen3'])"),
         ({"path": str(tiny["model"])}, {"parallel": {"tp_size": 2, "sequence_parallel": True},
                                         "scaling": {"num_workers": 2}},
          "parallel.sequence_parallel", "false for model 'hf'"),
@@ -194,6 +208,13 @@ LAYOUTS = {
     "tp2_fsdp2_compile": (4, {"parallel": {"tp_size": 2, "strategy": "fsdp", "compile": True},
                               "data": {"batch_size": 4}},
                           {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-tp2-fsdp2"}),
+    # Pipeline stages by decoder layer (models/hf_pipeline.py): the embedding and layer 0
+    # on rank 0, layer 1, the norm and the LM head on rank 1; each reads only its weights.
+    "pp2_1f1b": (2, {"parallel": {"pp_size": 2, "pp_schedule": "1f1b"}}),
+    "pp2_gpipe_fsdp2": (4, {"parallel": {"pp_size": 2, "pp_schedule": "gpipe", "strategy": "fsdp"},
+                            "data": {"batch_size": 4}}),
+    "pp2_1f1b_compile_ac": (2, {"parallel": {"pp_size": 2, "compile": True, "activation_checkpointing": True}},
+                            {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-pp2-ac"}),
 }
 # Compiled layers fuse elementwise kernels, which may change float rounding; on this
 # model they stay within the eager layouts' tolerance (measured over the 10 steps, at
@@ -207,11 +228,12 @@ def runs(tmp_path_factory, tiny) -> LayoutRuns:
                       lambda root, name, **sections: hf_config(root, name, tiny["model"], **sections))
 
 
-# The 4-process TP x FSDP, the data-parallel activation-checkpointing and the compiled and
-# checkpointed TP layouts run with the extended tests (pytest -m extended): the default
-# suite keeps DDP, FSDP, TP, compiled FSDP and TP, TP with checkpointing, and compiled
-# FSDP with checkpointing.
-_EXTENDED = {"tp2_fsdp2", "fsdp2_ac", "ddp2_ac", "tp2_fsdp2_compile", "tp2_compile_ac"}
+# The 4-process TP x FSDP and PP x FSDP, the data-parallel activation-checkpointing, and
+# the compiled and checkpointed TP and PP layouts run with the extended tests (pytest -m
+# extended): the default suite keeps DDP, FSDP, TP, PP, compiled FSDP and TP, TP with
+# checkpointing, and compiled FSDP with checkpointing.
+_EXTENDED = {"tp2_fsdp2", "fsdp2_ac", "ddp2_ac", "tp2_fsdp2_compile", "tp2_compile_ac", "pp2_gpipe_fsdp2",
+             "pp2_1f1b_compile_ac"}
 
 
 @pytest.mark.slow
@@ -228,13 +250,15 @@ def test_every_layout_matches_one_process(runs, layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, eager_layout", [("fsdp2_compile", "fsdp2"), ("tp2_compile", "tp2"),
-                                                  ("tp2_ac", "tp2"), ("fsdp2_compile_ac", "fsdp2")])
+                                                  ("tp2_ac", "tp2"), ("fsdp2_compile_ac", "fsdp2"),
+                                                  ("pp2_1f1b", "fsdp2")])
 def test_compiled_and_checkpointed_runs_save_the_models_own_parameter_names(runs, layout, eager_layout):
     """`parallel.compile` compiles each layer in place (TorchInductor built C++ kernels
-    for them), and activation checkpointing wraps it: either way the checkpoint (FSDP's
-    or TP's DTensor shards) has the model's own names (no ``_orig_mod`` or wrapper
-    prefix), so it loads for inference without either, and its weights are the eager
-    run's of the same layout within float rounding."""
+    for them), activation checkpointing wraps it, and a pipeline cuts the model into
+    stages (models/hf_pipeline.py): either way the checkpoint (FSDP's or TP's DTensor
+    shards, or each stage's tensors) has the model's own names (no ``_orig_mod`` or
+    wrapper prefix), so it loads for inference without either, and its weights are the
+    eager run's within float rounding."""
     from raytrain_platform.export import load_model_for_inference
 
     runs[eager_layout], runs[layout]
@@ -361,6 +385,8 @@ def chat_config(root: Path, name: str, tiny: dict, **sections) -> dict:
 CHAT_LAYOUTS = {
     "one_all": (1, {"train": {**LM_TRAIN, "logits": "all"}}),
     "ddp2": LAYOUTS["ddp2"], "fsdp2": LAYOUTS["fsdp2"], "tp2": LAYOUTS["tp2"],
+    # the last stage runs the head on every position: the masked loss and evaluation as counted
+    "pp2": LAYOUTS["pp2_1f1b"],
 }
 
 

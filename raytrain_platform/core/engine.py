@@ -126,7 +126,9 @@ class Engine:
             # No rank ever holds the whole model: split the meta model, then each rank
             # gives its shards storage and reads only their slices of the files.
             wrapped = self._parallelize(model)
-            self._fill(model, files, resuming=resuming)
+            # A pipeline rank fills only its stages (the meta model may be whole: copies were cut).
+            for part in wrapped.pipeline.parts if wrapped.pipeline is not None else [model]:
+                self._fill(part, files, resuming=resuming)
             return wrapped
         # Replicas (none, ddp) hold the whole model anyway; load before DDP broadcasts it.
         self._fill(model, files, resuming=resuming)

@@ -51,9 +51,10 @@ TP_KINDS = (
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """How a model splits into pipeline stages: the attribute holding its blocks (a
-    ModuleDict keyed "0".."L-1"), and the attributes that live on the first and the
-    last stage. A stage's forward must skip the ends it lacks (set to None)."""
+    """How a model splits into pipeline stages: the submodule holding its blocks (a
+    ModuleDict keyed "0".."L-1"), and the submodules that live on the first and the
+    last stage, each a dotted path ("model.layers"). A stage's forward must skip the
+    ends it lacks (set to None)."""
 
     blocks: str
     first: tuple[str, ...]
@@ -203,6 +204,11 @@ class ModelFamily:
     def pipeline_layout(self) -> PipelineLayout:
         raise ConfigError("parallel.pp_size", "> 1", f"1 for model '{self.name}' (it has no "
                           "pipeline split)")
+
+    def pipeline_module(self, model: "nn.Module") -> "nn.Module":
+        """The module the pipeline cuts where `pipeline_layout` says (default: `model`
+        itself, whose forward skips the ends a stage lacks). Same parameter names."""
+        return model
 
     def num_blocks(self, kwargs: dict) -> int | None:
         return None

@@ -16,8 +16,10 @@ safetensors with ``model.safetensors.index.json``, the tokenizer files).
 - FSDP shards each decoder layer, then the root; activation checkpointing wraps each
   decoder layer. Llama-style decoders (llama, mistral, qwen2, qwen3) have a TP plan:
   q/k/v and gate/up column-wise, o and down row-wise, the embedding by rows and the
-  LM head by columns; heads and key/value heads must divide by ``tp_size``. No
-  pipeline split (a clear error).
+  LM head by columns; heads and key/value heads must divide by ``tp_size``. They also
+  split into pipeline stages by decoder layer (models/hf_pipeline.py): the embedding on
+  the first stage, the final norm and LM head on the last. Tied input and output
+  embeddings take neither TP nor PP.
 
 Checks that need only the JSON run with the config (no torch); the rest (transformers
 knows the architecture, it is a causal LM) run before Ray starts (`precheck`).
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.units import parse_size
-from raytrain_platform.models.family import ModelFamily, ServingSpec
+from raytrain_platform.models.family import ModelFamily, PipelineLayout, ServingSpec
 
 if TYPE_CHECKING:
     import torch
@@ -45,12 +47,13 @@ if TYPE_CHECKING:
 
     from raytrain_platform.models.shapes import ModelShape
 
-__all__ = ["HFFamily", "TP_MODEL_TYPES"]
+__all__ = ["HFFamily", "LLAMA_STYLE_TYPES"]
 
 _KEYS = {"path": None, "init": "pretrained", "dtype": "float32", "attn_implementation": "sdpa"}
 _DTYPES = ("float32", "bfloat16", "float16")
-# Decoders whose layers are self_attn.{q,k,v,o}_proj + mlp.{gate,up,down}_proj: the TP plan's names.
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Decoders whose layers are self_attn.{q,k,v,o}_proj + mlp.{gate,up,down}_proj (the TP plan's
+# names) and whose forward models/hf_pipeline.py reproduces stage by stage.
+LLAMA_STYLE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
@@ -239,18 +242,29 @@ class HFFamily(ModelFamily):
     # ---- parallel plans ------------------------------------------------------------------------
     def check_model_parallel(self, kwargs: dict, *, tp: int, pp: int, stages: int,
                              pp_split: list[int] | None) -> None:
-        if pp > 1:
-            raise ConfigError("parallel.pp_size", pp, "1 for model 'hf' (no pipeline split for Hugging Face "
-                              "models: use FSDP, or TP within a node)")
-        if tp == 1:
+        if tp * pp == 1:
             return
         config = self._config(kwargs)
         model_type = config.get("model_type")
-        if model_type not in TP_MODEL_TYPES:
-            raise ConfigError("parallel.tp_size", tp, f"1 for model_type {model_type!r} (a tensor-parallel plan "
-                              f"exists for {list(TP_MODEL_TYPES)})")
+        field_, size = ("parallel.tp_size", tp) if tp > 1 else ("parallel.pp_size", pp)
+        if model_type not in LLAMA_STYLE_TYPES:
+            raise ConfigError(field_, size, f"1 for model_type {model_type!r} (a tensor-parallel plan and a "
+                              f"pipeline split exist for {list(LLAMA_STYLE_TYPES)})")
+        if config.get("tie_word_embeddings"):
+            why = ("TP splits the embedding by rows and the LM head by columns" if tp > 1 else
+                   "the first stage holds the embedding, the last the LM head")
+            raise ConfigError(field_, size, f"1 for a model with tied input and output embeddings ({why})")
         from raytrain_platform.models.hf_shapes import hf_config_shape
 
+        if pp > 1:
+            n_layer = hf_config_shape(config).n_layer
+            if n_layer < stages:
+                raise ConfigError("parallel.pp_size", pp, f"at most num_hidden_layers ({n_layer}) pipeline "
+                                  f"stages in all ({pp} ranks x {stages // pp} per rank = {stages})")
+            if pp_split is not None and (len(pp_split) != stages or sum(pp_split) != n_layer):
+                raise ConfigError("parallel.pp_split", pp_split, f"{stages} layer counts (one per stage) "
+                                  f"summing to num_hidden_layers ({n_layer})")
+            return
         # The head counts the model is built with, as the planner reads them: what a
         # config.json leaves out comes from transformers' defaults for its type (32 and 8
         # for mistral), a null num_key_value_heads is num_attention_heads.
@@ -259,9 +273,20 @@ class HFFamily(ModelFamily):
         if heads % tp or kv_heads % tp:
             raise ConfigError("parallel.tp_size", tp, f"a divisor of num_attention_heads ({heads}) and "
                               f"num_key_value_heads ({kv_heads}): each TP rank holds whole heads")
-        if config.get("tie_word_embeddings"):
-            raise ConfigError("parallel.tp_size", tp, "1 for a model with tied input and output embeddings "
-                              "(TP splits the embedding by rows and the LM head by columns)")
+
+    def pipeline_layout(self) -> PipelineLayout:
+        return PipelineLayout(blocks="model.layers", first=("model.embed_tokens",),
+                              last=("model.norm", "lm_head"))
+
+    def pipeline_module(self, model: "nn.Module") -> "nn.Module":
+        from raytrain_platform.models.hf_pipeline import HFPipelineStage
+
+        return HFPipelineStage(model)  # the same modules and names, a forward per stage
+
+    def num_blocks(self, kwargs: dict) -> int | None:
+        from raytrain_platform.models.hf_shapes import hf_config_shape
+
+        return hf_config_shape(self._config(kwargs)).n_layer
 
     def tp_plan(self, model: "nn.Module", kwargs: dict) -> dict[str, str]:
         plan = {"model.embed_tokens": "embedding", "model.norm": "norm", "lm_head": "head"}

@@ -44,7 +44,7 @@ def parallelize(model: nn.Module, *, env, cfg, family: "ModelFamily", model_kwar
         from raytrain_platform.parallel.pp import apply_pp
 
         first = iter([True])  # rank 0 announces compiling once, at its first stage
-        return apply_pp(model, env=env, cfg=cfg, mesh=mesh, layout=family.pipeline_layout(),
+        return apply_pp(family.pipeline_module(model), env=env, cfg=cfg, mesh=mesh, layout=family.pipeline_layout(),
                         data_parallel=lambda part: _stage_data_parallel(part, env=env, cfg=cfg, mesh=mesh,
                                                                         blocks=blocks, announce=next(first, False)))
     return _tensor_parallel(model, env=env, cfg=cfg, mesh=mesh, plan=family.tp_plan(model, model_kwargs),

@@ -41,14 +41,35 @@ __all__ = ["apply_pp", "PipelineRunner"]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _get(module: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at a dotted `path` (a layout's names), None where a part is None."""
+    found: nn.Module | None = module
+    for attr in path.split("."):
+        found = getattr(found, attr, None)
+        if found is None:
+            return None
+    return found
+
+
+def _put(module: nn.Module, path: str, child: nn.Module | None) -> None:
+    """Set the submodule at a dotted `path`, making empty parents where `module` lacks them."""
+    *parents, attr = path.split(".")
+    for name in parents:
+        if getattr(module, name, None) is None:
+            module.add_module(name, nn.Module())
+        module = getattr(module, name)
+    setattr(module, attr, child)
+
+
 def _prune(model: nn.Module, layout: PipelineLayout, blocks: range, *, first: bool, last: bool) -> nn.Module:
     """`model` keeping only `blocks` (original names) and the ends it owns."""
-    container = getattr(model, layout.blocks)
+    container = model.get_submodule(layout.blocks)
+    assert isinstance(container, nn.ModuleDict), f"{layout.blocks}: a ModuleDict keyed by block index"
     for name in list(container):
         if int(name) not in blocks:
             del container[name]
-    for attr in (() if first else layout.first) + (() if last else layout.last):
-        setattr(model, attr, None)
+    for path in (() if first else layout.first) + (() if last else layout.last):
+        _put(model, path, None)
     return model
 
 
@@ -56,12 +77,12 @@ def _merge(parts: list[nn.Module], layout: PipelineLayout) -> nn.Module:
     """One module holding every local stage's parts under their original names: what
     the optimizer steps and the checkpoint saves (``blocks.5.attn...``, as unsplit)."""
     holder = nn.Module()
-    setattr(holder, layout.blocks, nn.ModuleDict(
-        {k: b for p in parts for k, b in getattr(p, layout.blocks).items()}))
-    for attr in layout.first + layout.last:
-        owned = [getattr(p, attr) for p in parts if getattr(p, attr) is not None]
+    _put(holder, layout.blocks, nn.ModuleDict(
+        {k: b for p in parts for k, b in p.get_submodule(layout.blocks).named_children()}))
+    for path in layout.first + layout.last:
+        owned = [m for m in (_get(p, path) for p in parts) if m is not None]
         if owned:
-            setattr(holder, attr, owned[0])
+            _put(holder, path, owned[0])
     return holder
 
 
@@ -86,6 +107,9 @@ class PipelineRunner:
         self.has_first, self.has_last, self.device = has_first, has_last, device
         self.loss_fn: LossFn | None = None
         self.grad_sync: Callable[[], None] | None = None  # PP x DDP: all-reduce over dp
+        # This rank's stage modules, whole (blocks, ends, buffers): what a meta-device
+        # build gives storage and fills with pretrained weights, each its own slices.
+        self.parts: list[nn.Module] = []
 
     def chunk_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # The engine's loss is a sum scaled by the whole step's target count, so chunks add up.
@@ -146,7 +170,7 @@ def apply_pp(model: nn.Module, *, env, cfg, mesh: DeviceMesh, layout: PipelineLa
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     per_rank = PP_SCHEDULES[cfg.pp_schedule]
     n_stages = pp * per_rank
-    ranges = stage_blocks(len(getattr(model, layout.blocks)), n_stages, cfg.pp_split)
+    ranges = stage_blocks(len(list(model.get_submodule(layout.blocks).children())), n_stages, cfg.pp_split)
     stage_ids = [rank + k * pp for k in range(per_rank)]  # looped: rank r holds r, r + pp, ...
     parts = []
     for sid in stage_ids:
@@ -159,6 +183,7 @@ def apply_pp(model: nn.Module, *, env, cfg, mesh: DeviceMesh, layout: PipelineLa
     runner = PipelineRunner(None, chunks=chunks, has_first=0 in stage_ids,
                             has_last=n_stages - 1 in stage_ids, device=env.device)
     runner.schedule = _schedule(cfg.pp_schedule, stages, chunks, runner.chunk_loss)
+    runner.parts = parts
     holder = parts[0] if per_rank == 1 else _merge(parts, layout)
     counts = [w.comm for w in wrapped]  # each stage's own collectives (FSDP's reduce-scatters)
     if mesh["dp"].size() > 1 and cfg.strategy == "ddp":
