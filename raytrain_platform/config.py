@@ -293,7 +293,7 @@ class ParallelConfig:
     pp_size: int = 1  # pipeline-parallel ranks (stages) per model replica
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     pp_microbatches: Union[int, None] = None  # pipeline chunks per micro-batch; default pp_size
-    pp_split: Union[list[int], None] = None  # gpt blocks per stage; default balanced
+    pp_split: Union[list[int], None] = None  # blocks (decoder layers) per stage; default balanced
     sequence_parallel: bool = False  # TP: norms and dropout on sequence shards
 
     _FSDP_ONLY: ClassVar[dict[str, bool]] = {

@@ -312,18 +312,32 @@ def test_export_to_hugging_face_layout_loads_with_transformers_and_gives_our_log
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_at_another_world_size(runs, tiny):
-    """FSDP on 2 ranks wrote DCP shards at step 5; one process resumes from them and
-    trains steps 6-10 as the 2-rank run did."""
+@pytest.mark.parametrize("target, nproc, sections", [
+    ("fsdp2_resumed_on_1", 1, {}),
+    # into pipeline stages: each rank gives its stages storage, then reads their tensors
+    # from the FSDP run's DCP shards (no pretrained weights read on resume)
+    ("fsdp2_resumed_as_pp2", 2, {"parallel": {"pp_size": 2}}),
+])
+def test_sharded_checkpoint_resumes_at_another_world_size(runs, tiny, target, nproc, sections):
+    """FSDP on 2 ranks wrote DCP shards at step 5; one process, or a 2-stage pipeline,
+    resumes from them and trains steps 6-10 as the FSDP run did. The resumed config
+    names a copy of the model whose weights are halved: a run that read them instead of
+    the checkpoint, or started over, would train other losses."""
+    from safetensors.torch import load_file, save_file
+
     runs["fsdp2"]
     root = runs.root
     src = root / "fsdp2"
     assert (src / "checkpoint_000005" / "sharded").is_dir()
-    dst = root / "fsdp2_resumed_on_1"
+    dst = root / target
     shutil.copytree(src, dst)
     shutil.rmtree(dst / "checkpoint_000010")
-    cfg = hf_config(root, "fsdp2_resumed_on_1", tiny["model"])
-    rows = torchrun_metrics(cfg, root / "resumed.yaml", 1, timeout=300)
+    other = root / f"{target}_model"
+    shutil.copytree(tiny["model"], other)
+    save_file({k: v * 0.5 for k, v in load_file(other / "model.safetensors").items()}, other / "model.safetensors",
+              metadata={"format": "pt"})
+    cfg = hf_config(root, target, other, **sections)
+    rows = torchrun_metrics(cfg, root / f"{target}.yaml", nproc, timeout=300)
     resumed = [r["loss"] for r in rows if r["step"] > 5]
     assert_losses_close(resumed, [r["loss"] for r in runs["fsdp2"] if r["step"] > 5], rtol=RTOL)
 

@@ -3,7 +3,8 @@ forward is transformers' own forward, cut by decoder layer.
 
 - Applied to a whole model, the stage module gives transformers' logits exactly, for
   each Llama-style architecture (llama, mistral, qwen2, qwen3), with its causal or
-  sliding-window masks, under sdpa and eager attention.
+  sliding-window masks, under sdpa and eager attention; a llama config with a stray
+  ``sliding_window`` key keeps Llama's causal masks.
 - Two stages chained in one process give the whole model's logits, and their
   parameters split the model's names between them, disjoint.
 - Interleaved 1F1B (two stages per rank) on a pretrained 4-layer Llama under torchrun
@@ -38,6 +39,8 @@ def _model(arch: str, attn: str):
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     config = {"llama": lambda: LlamaConfig(**SMALL),
+              # a stray key transformers keeps and Llama's forward ignores: still causal masks
+              "llama_stray_window": lambda: LlamaConfig(**SMALL, sliding_window=5),
               "mistral": lambda: MistralConfig(**SMALL, sliding_window=5),  # every layer
               "qwen2": lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=5, max_window_layers=2),
               "qwen3": lambda: Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=5,
@@ -47,7 +50,7 @@ def _model(arch: str, attn: str):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama_stray_window", "mistral", "qwen2", "qwen3"])
 def test_the_stage_forward_is_transformers_forward(arch, attn):
     from raytrain_platform.models.hf_pipeline import HFPipelineStage
 
@@ -58,7 +61,7 @@ def test_the_stage_forward_is_transformers_forward(arch, attn):
         stage = HFPipelineStage(copy.deepcopy(model))
         assert list(stage.state_dict()) == list(model.state_dict())  # the checkpoint's names
         torch.testing.assert_close(stage(ids), want, rtol=0, atol=0)
-        if arch != "llama":  # the sliding windows matter here: full masks give other logits
+        if arch in ("mistral", "qwen2", "qwen3"):  # the sliding windows matter: full masks give other logits
             full = HFPipelineStage(copy.deepcopy(model))
             full._types = ["full_attention"] * SMALL["num_hidden_layers"]
             assert (full(ids) - want).abs().max() > 1e-3

@@ -8,8 +8,9 @@ safetensors with ``model.safetensors.index.json``, the tokenizer files).
 
 - ``init: pretrained`` (default) trains from the directory's weights; ``random``
   builds from ``config.json`` alone. Pretrained weights go straight into shards: the
-  engine builds on the meta device, applies FSDP/TP, then each rank reads only its own
-  slices of the safetensors files (core/weights.py).
+  engine builds on the meta device, applies FSDP, TP or the pipeline split, then each
+  rank reads only its own slices (or its stages' tensors) of the safetensors files
+  (core/weights.py).
 - Code from the directory never runs: a ``config.json`` with ``auto_map`` (which
   needs ``trust_remote_code``) is refused, and so are pickled ``pytorch_model.bin``
   weights.
@@ -282,11 +283,6 @@ class HFFamily(ModelFamily):
         from raytrain_platform.models.hf_pipeline import HFPipelineStage
 
         return HFPipelineStage(model)  # the same modules and names, a forward per stage
-
-    def num_blocks(self, kwargs: dict) -> int | None:
-        from raytrain_platform.models.hf_shapes import hf_config_shape
-
-        return hf_config_shape(self._config(kwargs)).n_layer
 
     def tp_plan(self, model: "nn.Module", kwargs: dict) -> dict[str, str]:
         plan = {"model.embed_tokens": "embedding", "model.norm": "norm", "lm_head": "head"}

@@ -33,12 +33,12 @@ __all__ = ["HFPipelineStage"]
 
 def _layer_types(config: Any) -> list[str]:
     """Each layer's attention: "full_attention" or "sliding_attention", as the
-    architecture's forward picks its mask."""
+    architecture's own forward picks its mask (by model type: a llama config.json that
+    carries a stray ``sliding_window`` key still gets causal masks)."""
     n = config.num_hidden_layers
-    types = getattr(config, "layer_types", None)
-    if types:  # qwen2, qwen3 (and any config that lists them)
-        return list(types)
-    if getattr(config, "sliding_window", None) is not None:  # mistral: every layer, when set
+    if config.model_type in ("qwen2", "qwen3"):  # per layer (use_sliding_window, max_window_layers)
+        return list(config.layer_types)
+    if config.model_type == "mistral" and config.sliding_window is not None:  # every layer, when set
         return ["sliding_attention"] * n
     return ["full_attention"] * n
 
@@ -46,7 +46,9 @@ def _layer_types(config: Any) -> list[str]:
 class HFPipelineStage(nn.Module):
     """`causal_lm` (a transformers ``...ForCausalLM`` of a Llama-style decoder) as a
     module a pipeline can cut: the same submodules and parameter names, its layers in a
-    ``ModuleDict``; the ends a stage lacks are None."""
+    ``ModuleDict``; the ends a stage lacks are None. It takes `causal_lm`'s modules
+    over (its ``model.layers`` becomes the ``ModuleDict``): use the stage, not
+    `causal_lm`, from then on."""
 
     def __init__(self, causal_lm: Any):
         super().__init__()

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from raytrain_platform.errors import ConfigError
 from raytrain_platform.parallel.base import CommCount, CommCounter, Parallelized
 from raytrain_platform.parallel.dims import PP_SCHEDULES, stage_blocks
 from raytrain_platform.parallel.grads import allreduce_grads, clip_grad_norm
@@ -42,10 +43,13 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _get(module: nn.Module, path: str) -> nn.Module | None:
-    """The submodule at a dotted `path` (a layout's names), None where a part is None."""
+    """The submodule at a dotted `path` (a layout's names), None where a stage dropped
+    it; a path the model lacks is an error (a layout's typo would drop a part silently)."""
     found: nn.Module | None = module
     for attr in path.split("."):
-        found = getattr(found, attr, None)
+        if not hasattr(found, attr):
+            raise ValueError(f"pipeline layout path {path!r}: {type(found).__name__} has no {attr!r}")
+        found = getattr(found, attr)
         if found is None:
             return None
     return found
@@ -64,7 +68,9 @@ def _put(module: nn.Module, path: str, child: nn.Module | None) -> None:
 def _prune(model: nn.Module, layout: PipelineLayout, blocks: range, *, first: bool, last: bool) -> nn.Module:
     """`model` keeping only `blocks` (original names) and the ends it owns."""
     container = model.get_submodule(layout.blocks)
-    assert isinstance(container, nn.ModuleDict), f"{layout.blocks}: a ModuleDict keyed by block index"
+    if not isinstance(container, nn.ModuleDict):
+        raise TypeError(f"pipeline layout blocks {layout.blocks!r}: a ModuleDict keyed by block index, "
+                        f"not {type(container).__name__}")
     for name in list(container):
         if int(name) not in blocks:
             del container[name]
@@ -170,7 +176,11 @@ def apply_pp(model: nn.Module, *, env, cfg, mesh: DeviceMesh, layout: PipelineLa
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     per_rank = PP_SCHEDULES[cfg.pp_schedule]
     n_stages = pp * per_rank
-    ranges = stage_blocks(len(list(model.get_submodule(layout.blocks).children())), n_stages, cfg.pp_split)
+    n_blocks = len(list(model.get_submodule(layout.blocks).children()))
+    ranges = stage_blocks(n_blocks, n_stages, cfg.pp_split)
+    if sum(map(len, ranges)) != n_blocks:  # the config check counted other blocks than were built
+        raise ConfigError("parallel.pp_split", cfg.pp_split, f"{n_stages} block counts summing to the "
+                          f"{n_blocks} blocks the model was built with")
     stage_ids = [rank + k * pp for k in range(per_rank)]  # looped: rank r holds r, r + pp, ...
     parts = []
     for sid in stage_ids:

@@ -2,7 +2,8 @@
 applied to a training config on the hardware it will run on.
 
 - strategy ``auto``: `make_plan` over the job's workers and their memory, and its
-  recommendation becomes the config (none, ddp, fsdp, or tp/pp sizes for gpt);
+  recommendation becomes the config (none, ddp, fsdp, or tp/pp sizes where the
+  model's family has those splits);
 - micro-batch ``auto`` (with ``train.global_batch_size``): the largest per-worker
   micro-batch the memory model fits under the chosen strategy, and
   ``grad_accum_steps`` = per-replica batch / micro-batch.

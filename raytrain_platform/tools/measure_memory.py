@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategy", nargs="+", default=["none"])
     p.add_argument("--parallel", default=None,
                    help='JSON list of parallel sections, e.g. \'[{"tp_size": 2}]\' (instead of --strategy); '
-                        'those with tp_size/pp_size > 1 run for gpt only')
+                        'those with tp_size/pp_size > 1 run for models with blocks (gpt, hf)')
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--kwargs", default="{}", help="gpt's model.kwargs as JSON")
+    p.add_argument("--kwargs", default="{}", help="the model's model.kwargs as JSON (gpt sizes, hf path)")
     args = p.parse_args(argv)
     import torch
     import torch.distributed as dist
