@@ -286,6 +286,24 @@ def test_skip_step_skips_and_counts_nonfinite_steps_and_stops_after_too_many(ray
         "than train.max_nonfinite_skips (3); no finite checkpoint was written")
 
 
+def test_a_bad_config_under_torchrun_is_one_line_not_one_per_rank(tmp_path):
+    """Every rank finds the same config error before the process group starts; the
+    node's first rank says it once, and every rank exits 2."""
+    import os
+    import subprocess
+
+    from conftest import ROOT, torchrun_launch
+
+    cfg = mlp_config(tmp_path, "bad", train={"lr": -1.0})
+    cmd = [*torchrun_launch(2), "-m", "raytrain_platform.core", "--config", _write(tmp_path, cfg)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(ours) == 1 and ours[0].startswith("error: train.lr = -1.0: expected "), proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # torchrun's report: both ranks exited 2
+
+
 @pytest.mark.slow
 def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """2 DDP ranks under torchrun (no Ray), NaN on rank 1 only, clipping off: the

@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -58,7 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfg.replace({"run.storage_path": os.path.abspath(cfg.run.storage_path)})
         job = resolve_job(cfg)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # Every rank of a node read the same config and found the same error: its first
+        # local rank says it (one line per node, not one per rank), and every rank exits 2,
+        # the others a moment later (torchrun stops the rest when the first rank exits).
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(2.0)
         return 2
     torch.set_num_threads(cfg.scaling.torch_threads or max(1, math.floor(cfg.scaling.cpus_per_worker)))
     env = init_torchrun(use_gpu=cfg.scaling.use_gpu)
