@@ -15,7 +15,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from raytrain_platform.errors import ConfigError
-from raytrain_platform.models.family import ModelFamily, PipelineLayout, ServingSpec
+from raytrain_platform.models.family import ModelFamily, PipelineLayout, ServingSpec, check_stage_counts
 from raytrain_platform.models.specs import GPTSpec, MLPSpec
 
 if TYPE_CHECKING:
@@ -95,15 +95,8 @@ class GPTFamily(ModelFamily):
         if tp > 1 and kwargs["n_head"] % tp:
             raise ConfigError("parallel.tp_size", tp, f"a divisor of model.kwargs.n_head "
                               f"({kwargs['n_head']}): each TP rank holds whole heads")
-        if pp == 1:
-            return
-        n_layer = kwargs["n_layer"]
-        if n_layer < stages:
-            raise ConfigError("parallel.pp_size", pp, f"at most model.kwargs.n_layer ({n_layer}) pipeline "
-                              f"stages in all ({pp} ranks x {stages // pp} per rank = {stages})")
-        if pp_split is not None and (len(pp_split) != stages or sum(pp_split) != n_layer):
-            raise ConfigError("parallel.pp_split", pp_split, f"{stages} block counts (one per stage) "
-                              f"summing to model.kwargs.n_layer ({n_layer})")
+        if pp > 1:
+            check_stage_counts(kwargs["n_layer"], "model.kwargs.n_layer", pp=pp, stages=stages, pp_split=pp_split)
 
     def tp_plan(self, model: "nn.Module", kwargs: dict) -> dict[str, str]:
         # Megatron's split: q/k/v and MLP up column-wise (whole heads per rank), the

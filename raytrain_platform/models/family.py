@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from raytrain_platform.models.shapes import ModelShape
 
-__all__ = ["ModelFamily", "PipelineLayout", "ServingSpec", "TASKS", "find_blocks", "logits_of"]
+__all__ = ["ModelFamily", "PipelineLayout", "ServingSpec", "TASKS", "check_stage_counts", "find_blocks", "logits_of"]
 
 TASKS = ("classification", "regression", "lm")
 
@@ -243,6 +243,20 @@ class ModelFamily:
                               "to serve an lm model")
         return ServingSpec("predict", {"num_features": kwargs.get("input_dim"),
                                        "num_outputs": kwargs.get("num_outputs")})
+
+
+def check_stage_counts(n_layer: int, layers: str, *, pp: int, stages: int, pp_split: list[int] | None,
+                       unit: str = "block") -> None:
+    """A `ConfigError` when ``stages`` pipeline stages (``pp`` ranks) cannot split the
+    model's ``n_layer`` blocks (more stages than blocks), or ``pp_split`` does not give
+    each stage its count; `layers` names where the count comes from
+    (``model.kwargs.n_layer``, ``num_hidden_layers``)."""
+    if n_layer < stages:
+        raise ConfigError("parallel.pp_size", pp, f"at most {layers} ({n_layer}) pipeline "
+                          f"stages in all ({pp} ranks x {stages // pp} per rank = {stages})")
+    if pp_split is not None and (len(pp_split) != stages or sum(pp_split) != n_layer):
+        raise ConfigError("parallel.pp_split", pp_split, f"{stages} {unit} counts (one per stage) "
+                          f"summing to {layers} ({n_layer})")
 
 
 def logits_of(output: Any, model_name: str) -> "torch.Tensor":

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.units import parse_size
-from raytrain_platform.models.family import ModelFamily, PipelineLayout, ServingSpec
+from raytrain_platform.models.family import ModelFamily, PipelineLayout, ServingSpec, check_stage_counts
 
 if TYPE_CHECKING:
     import torch
@@ -258,13 +258,8 @@ class HFFamily(ModelFamily):
         from raytrain_platform.models.hf_shapes import hf_config_shape
 
         if pp > 1:
-            n_layer = hf_config_shape(config).n_layer
-            if n_layer < stages:
-                raise ConfigError("parallel.pp_size", pp, f"at most num_hidden_layers ({n_layer}) pipeline "
-                                  f"stages in all ({pp} ranks x {stages // pp} per rank = {stages})")
-            if pp_split is not None and (len(pp_split) != stages or sum(pp_split) != n_layer):
-                raise ConfigError("parallel.pp_split", pp_split, f"{stages} layer counts (one per stage) "
-                                  f"summing to num_hidden_layers ({n_layer})")
+            check_stage_counts(hf_config_shape(config).n_layer, "num_hidden_layers", pp=pp, stages=stages,
+                               pp_split=pp_split, unit="layer")
             return
         # The head counts the model is built with, as the planner reads them: what a
         # config.json leaves out comes from transformers' defaults for its type (32 and 8
