@@ -55,13 +55,16 @@ def _get(module: nn.Module, path: str) -> nn.Module | None:
     return found
 
 
-def _put(module: nn.Module, path: str, child: nn.Module | None) -> None:
-    """Set the submodule at a dotted `path`, making empty parents where `module` lacks them."""
+def _put(module: nn.Module, path: str, child: nn.Module | None, *, make_parents: bool = False) -> None:
+    """Set the submodule at a dotted `path` of `module`, which must have it; or, with
+    `make_parents` (a holder being filled), making empty parents where it lacks them."""
     *parents, attr = path.split(".")
     for name in parents:
-        if getattr(module, name, None) is None:
+        if make_parents and getattr(module, name, None) is None:
             module.add_module(name, nn.Module())
         module = getattr(module, name)
+    if not make_parents and not hasattr(module, attr):
+        raise ValueError(f"pipeline layout path {path!r}: {type(module).__name__} has no {attr!r}")
     setattr(module, attr, child)
 
 
@@ -84,11 +87,11 @@ def _merge(parts: list[nn.Module], layout: PipelineLayout) -> nn.Module:
     the optimizer steps and the checkpoint saves (``blocks.5.attn...``, as unsplit)."""
     holder = nn.Module()
     _put(holder, layout.blocks, nn.ModuleDict(
-        {k: b for p in parts for k, b in p.get_submodule(layout.blocks).named_children()}))
+        {k: b for p in parts for k, b in p.get_submodule(layout.blocks).named_children()}), make_parents=True)
     for path in layout.first + layout.last:
         owned = [m for m in (_get(p, path) for p in parts) if m is not None]
         if owned:
-            _put(holder, path, owned[0])
+            _put(holder, path, owned[0], make_parents=True)
     return holder
 
 
