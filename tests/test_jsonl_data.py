@@ -965,7 +965,7 @@ def test_documents_tokenized_together_get_each_their_own_tokens(tiny, tok, monke
     """The tokenizer is called for many documents at once (`ENCODE_BATCH`, `ENCODE_CHARS`):
     each gets the ids and mask it gets alone (`encode_record`), in line order, with its
     split, at any batch size."""
-    from raytrain_platform.data import jsonl
+    from raytrain_platform.data import encode, jsonl
 
     spec = spec_for(tiny, fmt)
     rows = records(tiny[fmt])
@@ -985,8 +985,8 @@ def test_documents_tokenized_together_get_each_their_own_tokens(tiny, tok, monke
         else:
             assert got == ids(tok.apply_chat_template(r["messages"], tokenize=False)) + eos
     for batch, chars in ((64, 1 << 20), (7, 1 << 20), (64, 500), (1, 1 << 20)):
-        monkeypatch.setattr(jsonl, "ENCODE_BATCH", batch)
-        monkeypatch.setattr(jsonl, "ENCODE_CHARS", chars)
+        monkeypatch.setattr(encode, "ENCODE_BATCH", batch)
+        monkeypatch.setattr(encode, "ENCODE_CHARS", chars)
         assert list(jsonl._documents(0, str(tiny[fmt]), spec)) == alone, (batch, chars)
         assert list(jsonl._documents(0, str(tiny[fmt]), spec, ("val",))) == [d for d in alone if d[0]]
 
@@ -994,7 +994,7 @@ def test_documents_tokenized_together_get_each_their_own_tokens(tiny, tok, monke
 def test_text_files_tokenized_together_get_each_their_own_tokens(tiny, tok, tmp_path, monkeypatch):
     """A text group's files are tokenized several at a time: each file one document, with
     the ids it gets alone."""
-    from raytrain_platform.data import jsonl
+    from raytrain_platform.data import encode, jsonl
 
     texts = [r["text"] for r in records(tiny["text"])[:40]]
     for i, text in enumerate(texts):
@@ -1002,20 +1002,20 @@ def test_text_files_tokenized_together_get_each_their_own_tokens(tiny, tok, tmp_
     paths = tuple(str(p) for p in sorted(tmp_path.iterdir()))
     alone = [jsonl._text_docs(tok, [t + "\n"])[0] for t in texts]
     for batch, chars in ((64, 1 << 20), (64, 300), (1, 1 << 20)):
-        monkeypatch.setattr(jsonl, "ENCODE_BATCH", batch)
-        monkeypatch.setattr(jsonl, "ENCODE_CHARS", chars)
+        monkeypatch.setattr(encode, "ENCODE_BATCH", batch)
+        monkeypatch.setattr(encode, "ENCODE_CHARS", chars)
         assert list(jsonl._group_documents(paths, spec_for(tiny, "text", path=str(tmp_path)))) == alone
 
 
 def test_a_conversation_the_template_cannot_render_is_named_by_its_line(tiny, tmp_path, monkeypatch):
-    from raytrain_platform.data import jsonl
+    from raytrain_platform.data import encode
 
     tok_dir = refusing_tokenizer(tiny, tmp_path / "tok")
     lines = tiny["chat"].read_text().splitlines()
     lines[69] = forbidden(lines[69])
     path = write(tmp_path / "chat.jsonl", lines)
     spec = spec_for(tiny, "chat", path=path, tokenizer=str(tok_dir))
-    monkeypatch.setattr(jsonl, "ENCODE_BATCH", 16)  # the 70th line is in the 5th batch
+    monkeypatch.setattr(encode, "ENCODE_BATCH", 16)  # the 70th line is in the 5th batch
     with pytest.raises(DataError, match="chat template cannot render.*no FORBIDDEN here") as exc:
         jsonl_windows(0, path, spec, "train" if split_mask(np.array([69]), 0.2, "train")[0] else "val")
     assert one_line(exc).startswith(f"{path}:70: ")

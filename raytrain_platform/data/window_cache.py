@@ -11,7 +11,7 @@ of one killed outright is swept a day later by the next writer. One process writ
 entry at a time (a lock file beside it; the others read on without writing). A reader
 checks the key and every file's size against the row count before it trusts an entry,
 and anything missing, foreign or cut short reads as no entry: the piece is tokenized
-again. The key (built by `jsonl._TokenCache`) holds everything the windows depend on:
+again. The key (built by `token_cache._TokenCache`) holds everything the windows depend on:
 the files' identity, the tokenizer's files, the spec, the library versions and the
 code (this module's too).
 

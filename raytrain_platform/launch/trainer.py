@@ -91,7 +91,7 @@ JOB_ENV = {**_RAY_ENV, "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _cache_env() -> dict[str, str]:
-    """The driver's token cache folder (`data/jsonl.py`, ``RTP_CACHE_DIR``; absolute, as
+    """The driver's token cache folder (`data/token_cache.py`, ``RTP_CACHE_DIR``; absolute, as
     Ray's processes start elsewhere; empty: none) and its limit (``RTP_CACHE_MAX_SIZE``)
     for the job's processes, where it set them: read tasks find the windows its count
     pass kept, and keep the cache within the same limit."""
