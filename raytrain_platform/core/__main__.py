@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         job = resolve_job(cfg)
     except UserError as exc:
         # Every rank of a node read the same config and found the same error: its first
-        # local rank says it (one line per node, not one per rank), and every rank exits 2,
-        # the others a moment later (torchrun stops the rest when the first rank exits).
+        # local rank says it (one line per node, not one per rank) and exits 2. The others
+        # exit 2 a moment later, so that torchrun, which stops the rest once one rank
+        # exits, never stops the first before it has said it.
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr, flush=True)
         else:
