@@ -68,6 +68,7 @@ def worker(side: str, model_dir: str) -> dict:
     from raytrain_platform.core.weights import load_safetensors, materialize
     from raytrain_platform.models import get_family
     from raytrain_platform.parallel.compose import parallelize
+    from raytrain_platform.parallel.memory import local_tensor
 
     torch.set_num_threads(1)
     env = init_torchrun(use_gpu=False)
@@ -79,10 +80,10 @@ def worker(side: str, model_dir: str) -> dict:
         before = _status("VmRSS")
         _reset_peak()
         t0 = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+        parts = [AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)]
     else:
         model = fam.build(kw, device="meta")
-        parts = [model]  # what this rank holds: the model, its FSDP shards, or its stage
+        parts = [model]  # what this rank holds: the model, its FSDP shards, or its stages
         if side == "fsdp2":
             parallelize(model, env=env, cfg=ParallelConfig(strategy="fsdp"), family=fam, model_kwargs=kw)
         elif side == "pp2":
@@ -95,10 +96,10 @@ def worker(side: str, model_dir: str) -> dict:
             materialize(part, env.device)
             fam.init_buffers(part, env.device)
             load_safetensors(part, fam.pretrained_files(kw))
-        model = parts[0]
+    params = [p for part in parts for p in part.parameters()]
     # Read every weight held, inside the measured window: transformers maps the files and
     # reads pages only when a weight is first used; this counts them on every side alike.
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    local = [local_tensor(p) for p in params]
     sq = torch.zeros((), dtype=torch.float64)
     for t in local:  # in 1M-element chunks: the check itself adds no tensor-sized copies
         for chunk in t.detach().reshape(-1).split(1 << 20):
@@ -114,7 +115,7 @@ def worker(side: str, model_dir: str) -> dict:
     else:
         rows = [{"peak_bytes": peak, "held_params": held}]
     return {"side": side, "seconds": seconds, "sum_sq": float(sq), "ranks": rows,
-            "num_params": sum(p.numel() for p in model.parameters()) if side in ("one", "from_pretrained") else None}
+            "num_params": sum(p.numel() for p in params) if side in ("one", "from_pretrained") else None}
 
 
 def _run_side(side: str, model_dir: str) -> dict:
