@@ -66,7 +66,7 @@ def recompute_dropout_error(where: str) -> ConfigError:
     """Compile with activation checkpointing recomputes each block inside its compiled
     graph, where dropout would draw other masks than the forward drew (PyTorch replays
     no random op it recomputes there): refused while `where` draws dropout. Here, in a
-    torch-free module: config.py raises it before Ray, parallel/compile.py when the
+    torch-free module: config/job.py raises it before Ray, parallel/compile.py when the
     model is built."""
     return ConfigError("parallel.activation_checkpointing", True,
                        f"false with parallel.compile while the blocks draw dropout ({where}): recomputed inside "

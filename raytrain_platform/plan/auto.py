@@ -28,13 +28,14 @@ import math
 import os
 from dataclasses import dataclass
 
-from raytrain_platform.config import PP_SCHEDULES, JobConfig
+from raytrain_platform.config import JobConfig
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Option, make_plan
 from raytrain_platform.plan.lora import lora_size
 from raytrain_platform.models.family import ModelFamily
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.shapes import ModelShape
+from raytrain_platform.parallel.dims import PP_SCHEDULES
 from raytrain_platform.units import format_size
 
 __all__ = ["Hardware", "has_auto", "resolve_auto", "local_hardware", "cpu_hardware"]
