@@ -1,4 +1,4 @@
-"""The driver's count pass (`data/jsonl.py`, `data/pool.py`): how fast it tokenizes a
+"""The driver's count pass (`data/pieces.py`, `data/pool.py`): how fast it tokenizes a
 JSONL file, with records tokenized 64 at a time in the driver's process, and on one
 worker process per core (``data.tokenize_processes``); with ``--baseline REV``, also
 the code of git revision REV (before this was built: one tokenizer call per record).
@@ -77,7 +77,8 @@ if "tokenize_processes" in {f.name for f in dataclasses.fields(jsonl.JsonlSpec)}
 spec = jsonl.JsonlSpec(**kw)
 jsonl.load_tokenizer(tokenizer, need_chat_template=True)
 t0 = time.perf_counter()
-counts = jsonl.count_windows(spec)
+counts = getattr(jsonl, "count_windows", None) or __import__("raytrain_platform.data.pieces", fromlist=["x"]).count_windows
+counts = counts(spec)
 print(json.dumps({"s": time.perf_counter() - t0, "counts": list(counts), "code": jsonl.__file__}))
 """
 

@@ -80,7 +80,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     import time
 
     from raytrain_platform.data import window_cache
-    from raytrain_platform.data.jsonl import CACHE_ENV, MAX_SIZE_ENV, cache_dir, windows_limit
+    from raytrain_platform.data.token_cache import CACHE_ENV, MAX_SIZE_ENV, cache_dir, windows_limit
     from raytrain_platform.units import format_size
 
     root = cache_dir()

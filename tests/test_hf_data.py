@@ -145,7 +145,7 @@ def test_text_folder_through_the_tokenizer_packs_files_with_eos(tiny, tok, tmp_p
 def test_text_groups_stream_in_chunks_of_the_same_windows(tiny, tmp_path):
     """A text group's task yields its windows a chunk at a time (the other split's left
     out of each chunk): any chunk size, the same windows as the whole group."""
-    from raytrain_platform.data import jsonl
+    from raytrain_platform.data import text_groups
 
     folder, _ = _text_folder(tmp_path)
     data = {"source": "text", "path": str(folder), "glob": "**/*.txt", "format": "text", "val_fraction": 0.2}
@@ -153,9 +153,9 @@ def test_text_groups_stream_in_chunks_of_the_same_windows(tiny, tmp_path):
     spec = sources.SourceSpec.from_config(job.config)
     (paths,) = sources.token_pieces(spec)
     for split in ("train", "val"):
-        whole = jsonl.text_group_windows(0, paths, spec.token_spec(), split)
+        whole = text_groups.text_group_windows(0, paths, spec.token_spec(), split)
         for rows in (3, 10_000):
-            chunks = list(jsonl.stream_text_group_windows(0, paths, spec.token_spec(), split, rows=rows))
+            chunks = list(text_groups.stream_text_group_windows(0, paths, spec.token_spec(), split, rows=rows))
             assert len(chunks) > (rows == 3) and all(0 < len(c["sample_id"]) <= rows for c in chunks)
             for key in whole:
                 joined = np.concatenate([c[key] for c in chunks])

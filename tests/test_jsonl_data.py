@@ -17,9 +17,11 @@ import pytest  # noqa: E402
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+from raytrain_platform.data import pieces, text_groups, token_cache  # noqa: E402
 from raytrain_platform.data.jsonl import (  # noqa: E402
-    JsonlSpec, check_fits, count_windows, encode_record, iter_windows, jsonl_files,
-    jsonl_windows, load_tokenizer, stream_jsonl_windows)
+    JsonlSpec, check_fits, encode_record, iter_windows, jsonl_files, jsonl_windows, load_tokenizer,
+    stream_jsonl_windows)
+from raytrain_platform.data.pieces import count_windows  # noqa: E402
 from raytrain_platform.data.sources import split_mask  # noqa: E402
 from raytrain_platform.errors import ConfigError, DataError, describe_error  # noqa: E402
 from raytrain_platform.tools import tiny_llm  # noqa: E402
@@ -76,11 +78,10 @@ def own_copies(tiny, tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path, Jso
 
 def three_text_groups(tiny, folder: Path) -> list[tuple[str, ...]]:
     """The tiny text records dealt into 3 text files under `folder`, one group each."""
-    from raytrain_platform.data import jsonl
 
     for i in range(3):
         write(folder / f"{i}.txt", [json.loads(line)["text"] for line in tiny["text"].read_text().splitlines()[i::3]])
-    return jsonl.text_groups([(str(p), p.stat().st_size) for p in sorted(folder.iterdir())], group_bytes=1)
+    return text_groups.text_groups([(str(p), p.stat().st_size) for p in sorted(folder.iterdir())], group_bytes=1)
 
 
 def refusing_tokenizer(tiny, tok_dir: Path) -> Path:
@@ -396,23 +397,22 @@ def test_counts_are_cached_per_file_tokenizer_and_spec(tiny, tmp_path, monkeypat
 
 
 def test_text_groups_counts_are_cached(tiny, tmp_path, monkeypatch):
-    from raytrain_platform.data import jsonl
 
     monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
     folder = tmp_path / "text"
     groups = three_text_groups(tiny, folder)
     spec = spec_for(tiny, "text", path=str(folder))
-    counted = jsonl.count_text_windows(groups, spec)
+    counted = pieces.count_text_windows(groups, spec)
     assert len(groups) == 3 and len(list((tmp_path / "cache" / "token-counts").iterdir())) == 3
 
     def tokenizes(*args, **kwargs):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(jsonl, "_group_documents", tokenizes)
-    assert jsonl.count_text_windows(groups, spec) == counted
+    monkeypatch.setattr(text_groups, "_group_documents", tokenizes)
+    assert pieces.count_text_windows(groups, spec) == counted
     (folder / "1.txt").write_text((folder / "1.txt").read_text() + "more")
     with pytest.raises(AssertionError, match="tokenized again"):
-        jsonl.count_text_windows(groups, spec)
+        pieces.count_text_windows(groups, spec)
 
 
 # ---------------------------------------------------------------- the token cache's windows
@@ -420,10 +420,9 @@ def test_text_groups_counts_are_cached(tiny, tmp_path, monkeypatch):
 
 def _piece(spec, split: str, *, index: int = 0, piece=None, text: bool = False, rows: int | None = None):
     """One read task's windows (`piece_windows`, as the read tasks call it), joined."""
-    from raytrain_platform.data import jsonl
 
     piece = piece or (jsonl_files(spec)[0],)
-    chunks = list(jsonl.piece_windows(index, piece, spec, split, text=text, rows=rows))
+    chunks = list(pieces.piece_windows(index, piece, spec, split, text=text, rows=rows))
     return {k: np.concatenate([c[k] for c in chunks]) for k in ("tokens", "loss_mask", "sample_id")}, chunks
 
 
@@ -444,7 +443,7 @@ def _tokenizing_fails(monkeypatch):
         raise AssertionError("tokenized again")
 
     monkeypatch.setattr(jsonl, "_documents", tokenizes)
-    monkeypatch.setattr(jsonl, "_group_documents", tokenizes)
+    monkeypatch.setattr(text_groups, "_group_documents", tokenizes)
 
 
 @pytest.mark.parametrize("fmt", ["text", "prompt_completion", "chat"])
@@ -478,18 +477,18 @@ def test_the_count_writes_again_only_a_split_whose_entry_is_gone(tiny, tmp_path,
 
     cache_dir, data, _, spec = own_copies(tiny, tmp_path, monkeypatch)
     counted = count_windows(spec)
-    cache, key = jsonl._TokenCache.open(spec), jsonl._file_key(0, spec)
+    cache, key = token_cache._TokenCache.open(spec), jsonl._file_key(0, spec)
     train, val = (cache._windows_entry([str(data)], key, s, SEQ_LEN)[0] for s in ("train", "val"))
     assert window_cache.remove(val)
     held = cache.windows([str(data)], key, "train", SEQ_LEN)
     opened = []
-    real_writer = jsonl._TokenCache.window_writer
+    real_writer = token_cache._TokenCache.window_writer
 
     def window_writer(self, paths, key, split, seq_len):
         opened.append(split)
         return real_writer(self, paths, key, split, seq_len)
 
-    monkeypatch.setattr(jsonl._TokenCache, "window_writer", window_writer)
+    monkeypatch.setattr(token_cache._TokenCache, "window_writer", window_writer)
     assert count_windows(spec) == counted and _entries(cache_dir) == sorted([train, val])
     assert opened == ["val"]
     _tokenizing_fails(monkeypatch)
@@ -498,7 +497,6 @@ def test_the_count_writes_again_only_a_split_whose_entry_is_gone(tiny, tmp_path,
 
 
 def test_an_empty_split_is_kept_as_an_entry_of_no_rows(tiny, tmp_path, monkeypatch):
-    from raytrain_platform.data import jsonl
 
     spec = spec_for(tiny, "chat", val_fraction=0.0)
     monkeypatch.setenv("RTP_CACHE_DIR", "")
@@ -506,12 +504,11 @@ def test_an_empty_split_is_kept_as_an_entry_of_no_rows(tiny, tmp_path, monkeypat
     monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
     assert count_windows(spec)[1] == 0
     _tokenizing_fails(monkeypatch)
-    assert list(jsonl.piece_windows(0, (str(tiny["chat"]),), spec, "val", text=False)) == []
+    assert list(pieces.piece_windows(0, (str(tiny["chat"]),), spec, "val", text=False)) == []
     assert _same(_piece(spec, "train")[0], reference)
 
 
 def test_text_groups_windows_are_kept_per_group_and_split(tiny, tmp_path, monkeypatch):
-    from raytrain_platform.data import jsonl
 
     folder = tmp_path / "text"
     groups = three_text_groups(tiny, folder)
@@ -520,7 +517,7 @@ def test_text_groups_windows_are_kept_per_group_and_split(tiny, tmp_path, monkey
     reference = {(g, s): _piece(spec, s, index=g, piece=paths, text=True)[0]
                  for g, paths in enumerate(groups) for s in ("train", "val")}
     monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
-    jsonl.count_text_windows(groups, spec)
+    pieces.count_text_windows(groups, spec)
     assert len(_entries(tmp_path / "cache")) == 6
     _tokenizing_fails(monkeypatch)
     for (g, split), ref in reference.items():
@@ -548,7 +545,7 @@ def test_windows_are_read_only_for_the_same_files_tokenizer_and_spec(tiny, tmp_p
     with pytest.raises(AssertionError, match="tokenized again"):
         _piece(spec, "train")
     shutil.copytree(tiny["tokenizer"], tok_dir, dirs_exist_ok=True)
-    cache_of = jsonl._TokenCache.open(spec)  # the format and every field name are in the key
+    cache_of = token_cache._TokenCache.open(spec)  # the format and every field name are in the key
     others = [spec, *(spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), **kw) for kw in (
         {"format": "text"}, {"text_field": "body"}, {"prompt_field": "q"}, {"completion_field": "a"},
         {"messages_field": "turns"}))]
@@ -562,7 +559,7 @@ def test_windows_are_read_only_for_the_same_files_tokenizer_and_spec(tiny, tmp_p
     monkeypatch.setattr(jsonl, "_documents", real)
     at_33 = spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), seq_len=33)
     before = _entries(cache)
-    first = next(jsonl.piece_windows(0, (str(data),), at_33, "train", text=False, rows=2))
+    first = next(pieces.piece_windows(0, (str(data),), at_33, "train", text=False, rows=2))
     assert first["tokens"].shape == (2, 33)
     assert _entries(cache) == before  # a reader that stopped early (the generator unfinished)
     streamed = _piece(at_33, "train")[0]  # read to the end: written
@@ -642,7 +639,7 @@ def test_one_writer_per_entry_a_whole_entry_kept_and_stale_leftovers_swept(tiny,
     reference = _piece(spec, "train")[0]
     cache_dir = tmp_path / "cache"
     monkeypatch.setenv("RTP_CACHE_DIR", str(cache_dir))
-    cache = jsonl._TokenCache.open(spec)
+    cache = token_cache._TokenCache.open(spec)
     piece, key = [jsonl_files(spec)[0]], jsonl._file_key(0, spec)
     first = cache.window_writer(piece, key, "train", SEQ_LEN)
     assert first is not None and cache.window_writer(piece, key, "train", SEQ_LEN) is None  # locked
@@ -781,15 +778,15 @@ def test_the_count_keeps_the_token_cache_within_its_limit(tiny, tmp_path, monkey
 
     for entry in _entries(cache):
         _age(entry, 30)  # a's and b's last used a day ago and more
-    monkeypatch.setattr(jsonl, "_last_prune", -1e9)
+    monkeypatch.setattr(pieces, "_last_prune", -1e9)
     _piece(spec_c, "train")  # a read task that finds no entry tokenizes, writes it, then prunes
     c_train = set(_entries(cache))
     assert len(c_train) == 1 and not c_train & set(entries_b)  # all but its own, fresh, entry evicted
     _age(next(iter(c_train)), 30)
-    monkeypatch.setattr(jsonl, "_last_prune", time.monotonic())
+    monkeypatch.setattr(pieces, "_last_prune", time.monotonic())
     _piece(spec_c, "val")  # within the minute: no look at the cache
     assert len(_entries(cache)) == 2
-    monkeypatch.setattr(jsonl, "_last_prune", -1e9)
+    monkeypatch.setattr(pieces, "_last_prune", -1e9)
     _piece(spec_b, "val")  # c's entries: val used now; train a day ago
     assert len(_entries(cache)) == 2 and not set(_entries(cache)) & c_train
 
@@ -864,7 +861,7 @@ def test_a_tokenizer_changed_in_place_is_loaded_again(tiny, tmp_path):
 
 
 def test_a_long_count_reports_its_progress(tiny, capsys):
-    from raytrain_platform.data.jsonl import CountProgress
+    from raytrain_platform.data.pieces import CountProgress
 
     progress = CountProgress("data.path", quiet=0.0, every=0.0)
     for _ in range(3):
@@ -994,17 +991,17 @@ def test_documents_tokenized_together_get_each_their_own_tokens(tiny, tok, monke
 def test_text_files_tokenized_together_get_each_their_own_tokens(tiny, tok, tmp_path, monkeypatch):
     """A text group's files are tokenized several at a time: each file one document, with
     the ids it gets alone."""
-    from raytrain_platform.data import encode, jsonl
+    from raytrain_platform.data import encode
 
     texts = [r["text"] for r in records(tiny["text"])[:40]]
     for i, text in enumerate(texts):
         write(tmp_path / f"{i:03d}.txt", [text])
     paths = tuple(str(p) for p in sorted(tmp_path.iterdir()))
-    alone = [jsonl._text_docs(tok, [t + "\n"])[0] for t in texts]
+    alone = [encode._text_docs(tok, [t + "\n"])[0] for t in texts]
     for batch, chars in ((64, 1 << 20), (64, 300), (1, 1 << 20)):
         monkeypatch.setattr(encode, "ENCODE_BATCH", batch)
         monkeypatch.setattr(encode, "ENCODE_CHARS", chars)
-        assert list(jsonl._group_documents(paths, spec_for(tiny, "text", path=str(tmp_path)))) == alone
+        assert list(text_groups._group_documents(paths, spec_for(tiny, "text", path=str(tmp_path)))) == alone
 
 
 def test_a_conversation_the_template_cannot_render_is_named_by_its_line(tiny, tmp_path, monkeypatch):
@@ -1028,7 +1025,7 @@ def test_the_count_on_worker_processes_gives_the_same_sums_and_windows(tiny, tmp
     bad line in a later block is named by its file and line."""
     import dataclasses
 
-    from raytrain_platform.data import jsonl, pool
+    from raytrain_platform.data import pool
 
     monkeypatch.setattr(pool, "BLOCK_BYTES", 2048)  # the chat file: some 30 blocks
     folder = tmp_path / "text"
@@ -1038,18 +1035,18 @@ def test_the_count_on_worker_processes_gives_the_same_sums_and_windows(tiny, tmp
     reference = {("chat", s): _piece(chat, s)[0] for s in ("train", "val")}
     reference.update({(g, s): _piece(text, s, index=g, piece=paths, text=True)[0]
                       for g, paths in enumerate(groups) for s in ("train", "val")})
-    counts = count_windows(chat), jsonl.count_text_windows(groups, text)
+    counts = count_windows(chat), pieces.count_text_windows(groups, text)
 
     monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
     _tokenizing_fails(monkeypatch)  # here; the workers start with the real code
     on_two = [dataclasses.replace(s, tokenize_processes=2) for s in (chat, text)]
-    assert (count_windows(on_two[0]), jsonl.count_text_windows(groups, on_two[1])) == counts
+    assert (count_windows(on_two[0]), pieces.count_text_windows(groups, on_two[1])) == counts
     assert len(_entries(tmp_path / "cache")) == 2 + 6
     for (which, split), ref in reference.items():  # kept whole, in order: read back, not tokenized
         got = (_piece(chat, split)[0] if which == "chat" else
                _piece(text, split, index=which, piece=groups[which], text=True)[0])
         assert _same(got, ref), (which, split)
-    assert (count_windows(chat), jsonl.count_text_windows(groups, text)) == counts  # sums held
+    assert (count_windows(chat), pieces.count_text_windows(groups, text)) == counts  # sums held
 
     lines = tiny["chat"].read_text().splitlines()
     lines[250] = "{not json"
@@ -1112,7 +1109,7 @@ def test_a_bad_line_in_a_later_block_or_file_keeps_what_came_before(tiny, tmp_pa
     is named by its line; a bad second file leaves the first file's windows and sums kept
     (its entries are committed once its last block is in, not when the next file starts);
     the first bad line of a batch is the one named."""
-    from raytrain_platform.data import jsonl, pool
+    from raytrain_platform.data import pool
 
     monkeypatch.setattr(pool, "BLOCK_BYTES", 2048)
     monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))

@@ -1,4 +1,4 @@
-"""Tokenizing on several cores: the driver's count pass (`jsonl.py`) hands blocks of
+"""Tokenizing on several cores: the driver's count pass (`pieces.py`) hands blocks of
 its files to worker processes and takes their tokens back in order.
 
 A worker process imports ``transformers`` and loads the tokenizer before its first

@@ -3,7 +3,7 @@
 Tokenized sources (jsonl, text with a tokenizer) are read in Ray Data's CPU tasks,
 which stream their windows a chunk at a time: the training loop only receives int32
 token windows and their loss masks. A task maps the windows the driver's count pass
-kept in the token cache (`jsonl.piece_windows`, `data.window_cache`), or tokenizes and
+kept in the token cache (`pieces.piece_windows`, `data.window_cache`), or tokenizes and
 packs the piece where no entry holds them. There is one task per piece (a .jsonl file,
 or a group of text files), except for a train split dealt to several workers: there
 one task reads the pieces in order and yields one micro-batch per block. Their

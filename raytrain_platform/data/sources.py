@@ -200,12 +200,12 @@ def text_windows(file_index: int, path: str, spec: SourceSpec, split: str) -> di
 
 def token_pieces(spec: SourceSpec) -> list[tuple[str, ...]]:
     """The read tasks of a tokenized source, in order: one .jsonl file each, or a group
-    of consecutive text files (`jsonl.text_groups`)."""
-    from raytrain_platform.data import jsonl
+    of consecutive text files (`text_groups.text_groups`)."""
+    from raytrain_platform.data import jsonl, text_groups
 
     if spec.kind == "jsonl":
         return [(path,) for path in jsonl.jsonl_files(spec.token_spec())]
-    return jsonl.text_groups(text_files(spec))
+    return text_groups.text_groups(text_files(spec))
 
 
 def rebatch(pieces: Iterable[dict[str, np.ndarray]], rows: int, *,
@@ -240,21 +240,21 @@ def token_windows(index: int, piece: tuple[str, ...], spec: SourceSpec, split: s
                   rows: int | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Piece `index` tokenized and packed, the `split` part of it, about `rows` windows
     at a time (default `jsonl.stream_rows`) as it is tokenized, or from the token cache
-    (`jsonl.piece_windows`): tokens int32 and loss_mask uint8 (n, seq_len), sample_id (n,)."""
-    from raytrain_platform.data import jsonl
+    (`pieces.piece_windows`): tokens int32 and loss_mask uint8 (n, seq_len), sample_id (n,)."""
+    from raytrain_platform.data import pieces
 
-    for chunk in jsonl.piece_windows(index, piece, spec.token_spec(), split, text=spec.kind != "jsonl", rows=rows):
+    for chunk in pieces.piece_windows(index, piece, spec.token_spec(), split, text=spec.kind != "jsonl", rows=rows):
         yield spec.throttle(chunk)
 
 
 def _count_tokenized(spec: SourceSpec) -> DataInfo:
     """Exact window counts: tokenizes everything once, on the driver (before Ray)."""
-    from raytrain_platform.data import jsonl
+    from raytrain_platform.data import pieces
 
     if spec.kind == "jsonl":
-        train, val = jsonl.count_windows(spec.token_spec())
+        train, val = pieces.count_windows(spec.token_spec())
     else:
-        train, val = jsonl.count_text_windows(token_pieces(spec), spec.token_spec())
+        train, val = pieces.count_text_windows(token_pieces(spec), spec.token_spec())
     return DataInfo(num_train=train, num_val=val)
 
 

@@ -2,7 +2,7 @@
 `window_cache`), kept under ``$RTP_CACHE_DIR`` by a key of the files' identity and of
 everything their tokens depend on (the tokenizer's files, the library versions, the
 tokenizing code, the spec's fields), so a rerun, a resume or a sweep's trial reads it
-back instead of tokenizing again. `jsonl.py`'s count pass writes it; its read tasks
+back instead of tokenizing again. `pieces.py`'s count pass writes it; its read tasks
 map the windows.
 """
 
@@ -90,10 +90,10 @@ def _version(package: str) -> str | None:
 @functools.lru_cache(maxsize=1)
 def _code_fingerprint() -> str:
     """The code of how records become tokens, splits and kept windows: jsonl.py,
-    encode.py, this module, sources.py and window_cache.py."""
-    from raytrain_platform.data import encode, jsonl, sources
+    text_groups.py, pieces.py, encode.py, this module, sources.py and window_cache.py."""
+    from raytrain_platform.data import encode, jsonl, pieces, sources, text_groups
 
-    modules = (jsonl, encode, sys.modules[__name__], sources, window_cache)
+    modules = (jsonl, text_groups, pieces, encode, sys.modules[__name__], sources, window_cache)
     return hashlib.sha256(b"".join(Path(str(m.__file__)).read_bytes() for m in modules)).hexdigest()
 
 

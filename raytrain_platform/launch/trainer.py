@@ -95,7 +95,7 @@ def _cache_env() -> dict[str, str]:
     Ray's processes start elsewhere; empty: none) and its limit (``RTP_CACHE_MAX_SIZE``)
     for the job's processes, where it set them: read tasks find the windows its count
     pass kept, and keep the cache within the same limit."""
-    from raytrain_platform.data.jsonl import CACHE_ENV, MAX_SIZE_ENV
+    from raytrain_platform.data.token_cache import CACHE_ENV, MAX_SIZE_ENV
 
     value, limit = os.environ.get(CACHE_ENV), os.environ.get(MAX_SIZE_ENV)
     return {**({} if value is None else {CACHE_ENV: os.path.abspath(value) if value else ""}),

@@ -1,0 +1,329 @@
+"""A tokenized source in pieces: a piece is one .jsonl file (`jsonl.py`) or one group
+of text files (`text_groups.py`). The driver's count pass tokenizes every piece once,
+on one or more processes (`pool.py`), to count the windows and keep them in the token
+cache (`token_cache.py`); Ray Data's read tasks and the Ray-free reader then take a
+piece's windows from there (`piece_windows`), or tokenize it where none are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from raytrain_platform.data import jsonl, pool, text_groups, window_cache
+from raytrain_platform.data.jsonl import JsonlSpec, _Packer, _check_split, _file_key, _first_id, stream_rows
+from raytrain_platform.data.sources import split_mask
+from raytrain_platform.data.token_cache import MAX_SIZE_ENV, _CountedWindows, _TokenCache, windows_limit
+from raytrain_platform.errors import ConfigError, DataError
+from raytrain_platform.units import format_size
+
+__all__ = ["CountProgress", "count_windows", "count_text_windows", "piece_windows"]
+
+class CountProgress:
+    """Progress of the driver's count pass, on stderr: nothing for a pass shorter than
+    `quiet` seconds, then a line every `every` seconds and one at the end.
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> p = CountProgress("data.path", quiet=0.0, every=3600.0, out=out)
+    >>> p.add(120)
+    >>> p.done(7, 1)
+    >>> print(out.getvalue(), end="")  # doctest: +ELLIPSIS
+    data.path: tokenizing to count the windows: 1 document, 120 tokens so far (0 s)
+    data.path: tokenized 1 document, 120 tokens: 7 train and 1 validation windows in ...s
+    """
+
+    def __init__(self, what: str, *, quiet: float = 5.0, every: float = 10.0, out: Any = None):
+        self.what, self.quiet, self.every, self.out = what, quiet, every, out
+        self.docs = self.tokens = 0
+        self.started = time.monotonic()
+        self.next_line = self.started + quiet
+        self.printed = False
+
+    def _print(self, line: str) -> None:
+        print(f"{self.what}: {line}", file=self.out or sys.stderr, flush=True)
+        self.printed = True
+
+    def _so_far(self) -> str:
+        return f"{self.docs:,} document{'s' * (self.docs != 1)}, {self.tokens:,} tokens"
+
+    def note(self, line: str) -> None:
+        """Says `line` now (how the pass tokenizes)."""
+        self._print(line)
+
+    def aside(self, line: str) -> None:
+        """Says `line` now, about something else than tokenizing (the token cache):
+        a pass that printed nothing else prints no summary for it."""
+        printed = self.printed
+        self._print(line)
+        self.printed = printed
+
+    def add(self, tokens: int, docs: int = 1) -> None:
+        """`docs` more documents, of `tokens` tokens in all."""
+        self.docs, self.tokens = self.docs + docs, self.tokens + tokens
+        now = time.monotonic()
+        if now >= self.next_line:
+            self._print(f"tokenizing to count the windows: {self._so_far()} so far "
+                        f"({now - self.started:.0f} s)")
+            self.next_line = now + self.every
+
+    def done(self, train: int, val: int) -> None:
+        if self.printed:
+            self._print(f"tokenized {self._so_far()}: {train:,} train and {val:,} validation "
+                        f"windows in {time.monotonic() - self.started:.1f}s")
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """What the count pass tokenizes as one: a .jsonl file (its `index` in the sorted
+    files), or with `text` a group of text files (`text_groups`)."""
+
+    index: int
+    paths: tuple[str, ...]
+    text: bool = False
+
+    def key(self, spec: JsonlSpec) -> dict:
+        """Its windows' key (its token sums': the same, or for a text group none but its files)."""
+        return text_groups._group_key(self.index, spec) if self.text else _file_key(self.index, spec)
+
+    def sums_key(self, spec: JsonlSpec) -> dict:
+        return {"text_group": True} if self.text else self.key(spec)
+
+    @property
+    def sums(self) -> int:
+        """Token sums kept: train and val for a file, all for a text group (its windows
+        go to a split by their ids, after packing)."""
+        return 1 if self.text else 2
+
+    def tasks(self, spec: JsonlSpec) -> Iterator[tuple[tuple, bool]]:
+        """(`_tokenize_task`'s task, whether it is the piece's last), in order: a text
+        group whole (its files are never split), a file's lines in blocks of about
+        `pool.BLOCK_BYTES` (at least one, for its 0-row entries). A file that cannot be
+        read is a task that raises, in its place: what comes before it is counted first."""
+        if self.text:
+            yield ("text", self.paths, spec), True
+            return
+        path = self.paths[0]
+        try:
+            blocks = jsonl._file_blocks(path, pool.BLOCK_BYTES)
+            block = next(blocks)
+            for following in blocks:
+                yield ("jsonl", self.index, path, *block, spec), False
+                block = following
+        except DataError as exc:
+            yield ("error", str(exc)), True
+            return
+        yield ("jsonl", self.index, path, *block, spec), True
+
+
+def _tokenize_task(task: tuple) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """(documents, {split: (token ids int32, loss mask uint8)}) of one task: each
+    split's documents concatenated in order ("train" and "val" for a block of a file,
+    "all" for a text group). Runs in the count pass's worker processes, or in its own."""
+    parts: dict[str, tuple[list[int], list[int]]] = {}
+    docs = 0
+    if task[0] == "error":
+        raise DataError(task[1])
+    if task[0] == "text":
+        found: Iterator[tuple[str, list[int], list[int]]] = (
+            ("all", ids, mask) for ids, mask in text_groups._group_documents(task[1], task[2]))
+    else:
+        _, file_index, path, first, block, spec = task
+        found = (("val" if v else "train", ids, mask)
+                 for v, ids, mask in jsonl._documents(file_index, path, spec, lines=(first, block)))
+    for split, ids, mask in found:
+        all_ids, all_mask = parts.setdefault(split, ([], []))
+        all_ids += ids
+        all_mask += mask
+        docs += 1
+    return docs, {split: (np.array(ids, dtype=np.int32), np.array(mask, dtype=np.uint8))
+                  for split, (ids, mask) in parts.items()}
+
+
+class _PieceCount:
+    """One piece's tokens as its tasks give them back, in order: its token sums, and
+    its windows packed and written to the token cache (the splits it lacks)."""
+
+    def __init__(self, piece: _Piece, spec: JsonlSpec, cache: _TokenCache | None, missing: list[str]):
+        rows = stream_rows(spec.seq_len)
+        self.out = _CountedWindows(cache, list(piece.paths), piece.key(spec), spec, missing)
+        self.tokens = [0] * piece.sums
+        self.packers = ({"all": _Packer(spec.seq_len, piece.index << 32, rows)} if piece.text else
+                        {s: _Packer(spec.seq_len, _first_id(piece.index, s), rows) for s in ("train", "val")})
+
+    def _put(self, split: str, chunks: list[dict[str, np.ndarray]]) -> None:
+        if split == "all":
+            self.out.put_by_id(chunks)
+        else:
+            self.out.put(split, chunks)
+
+    def _wants(self, split: str) -> bool:
+        return bool(self.out.writers) if split == "all" else self.out.wants(split)
+
+    def add(self, parts: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
+        """Adds a task's tokens; returns how many."""
+        added = 0
+        for split, (ids, mask) in parts.items():
+            self.tokens[split == "val"] += ids.size
+            added += ids.size
+            if self._wants(split):
+                self._put(split, self.packers[split].add(ids, mask))
+        return added
+
+    def finish(self) -> list[int]:
+        for split, packer in self.packers.items():
+            if self._wants(split):
+                self._put(split, packer.end())
+        self.out.commit()
+        return self.tokens
+
+
+def _count_pieces(pieces: list[_Piece], spec: JsonlSpec, progress: CountProgress) -> list[list[int]]:
+    """Each piece's token sums: read back from the token cache where it holds them (and
+    the piece's windows, or `data.window_cache` is off), else tokenized once, on
+    ``pool.count_processes`` processes, the windows kept as they come and each piece's
+    entries committed as soon as its last task is in (a later piece's error keeps them)."""
+    cache = _TokenCache.open(spec)
+    limit = windows_limit() if cache is not None and spec.window_cache else None  # bad: said before tokenizing
+    sums: list[list[int] | None] = [None] * len(pieces)
+    missing: list[list[str]] = [[] for _ in pieces]  # each piece's splits without kept windows
+    if cache is not None:
+        for i, piece in enumerate(pieces):
+            missing[i] = cache.missing_windows(list(piece.paths), piece.key(spec), spec)
+            if not missing[i]:
+                sums[i] = cache.held_tokens(piece.paths, piece.sums_key(spec), piece.sums)
+    todo = [i for i, held in enumerate(sums) if held is None]
+    todo_bytes = (sum(_size(p) for i in todo for p in pieces[i].paths)
+                  if todo and spec.tokenize_processes == "auto" else 0)
+    processes = pool.count_processes(spec.tokenize_processes, todo_bytes) if todo else 1
+    if processes > 1:
+        progress.note(f"tokenizing with {processes} processes")
+    tasks = (((i, last), task) for i in todo for task, last in pieces[i].tasks(spec))
+    current: _PieceCount | None = None
+    with contextlib.closing(pool.ordered_map(_tokenize_task, tasks, processes)) as results:
+        try:
+            for (i, last), (docs, parts) in results:
+                current = current or _PieceCount(pieces[i], spec, cache, missing[i])
+                progress.add(current.add(parts), docs)
+                if last:
+                    sums[i] = tokens = current.finish()
+                    current = None
+                    if cache is not None:
+                        cache.keep_tokens(pieces[i].paths, pieces[i].sums_key(spec), tokens)
+        except BaseException:
+            if current is not None:
+                current.out.abort()
+            raise
+    counted = [s for s in sums if s is not None]
+    if len(counted) != len(pieces):
+        raise RuntimeError(f"the count pass has no token sums for {len(pieces) - len(counted)} piece(s)")
+    if cache is not None and limit is not None:
+        _prune_note(cache.prune(limit), limit, progress)
+    return counted
+
+
+def _prune_note(pruned: window_cache.Pruned, limit: int, progress: CountProgress) -> None:
+    """Says what keeping the token cache within its limit did, where it did anything."""
+    if pruned.removed:
+        progress.aside(f"token cache: removed {window_cache.entries_text(pruned.removed)} used longest ago "
+                      f"({format_size(pruned.removed_bytes)}) to stay within {MAX_SIZE_ENV} = {format_size(limit)}")
+    if pruned.left_bytes > limit:
+        progress.aside(f"token cache: its windows take {format_size(pruned.left_bytes)}, above {MAX_SIZE_ENV} = "
+                      f"{format_size(limit)}: this run's, and any read now or used in the last hour, are kept; "
+                      "raise the limit, or data.window_cache: false to keep none")
+
+
+def _size(path: str) -> int:
+    """The file's size in bytes (0 where it cannot be found: reading it then says why)."""
+    try:
+        if "://" not in path:
+            return os.path.getsize(path)
+        fs, local = jsonl._filesystem(path)
+        return max(0, fs.get_file_info(local).size or 0)
+    except (OSError, DataError):
+        return 0
+
+
+def count_windows(spec: JsonlSpec) -> tuple[int, int]:
+    """(train, val) windows over all files; DataError when there is no training window.
+    A pass of more than a few seconds reports its progress on stderr."""
+    progress = CountProgress("data.path")
+    pieces = [_Piece(i, (path,)) for i, path in enumerate(jsonl.jsonl_files(spec))]
+    sums = _count_pieces(pieces, spec, progress)
+    train = sum(t // spec.seq_len for t, _ in sums)
+    val = sum(v // spec.seq_len for _, v in sums)
+    if train == 0:
+        raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = "
+                        f"{spec.seq_len - 1} tokens (+1) (too little data, or lower data.seq_len)")
+    progress.done(train, val)
+    return train, val
+
+
+
+def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[int, int]:
+    """(train, val) windows over all groups; DataError when there is no training window."""
+    progress = CountProgress("data.path")
+    sums = _count_pieces([_Piece(g, paths, text=True) for g, paths in enumerate(groups)], spec, progress)
+    train = val = 0
+    for g, (tokens,) in enumerate(sums):
+        ids = (np.int64(g) << np.int64(32)) | np.arange(tokens // spec.seq_len, dtype=np.int64)
+        is_val = split_mask(ids, spec.val_fraction, "val")
+        train, val = train + int((~is_val).sum()), val + int(is_val.sum())
+    if train == 0:
+        raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = "
+                        f"{spec.seq_len - 1} tokens (+1) in the tokenized text (too little text, or "
+                        "lower data.seq_len)")
+    progress.done(train, val)
+    return train, val
+
+
+
+# ---------------------------------------------------------------- the read tasks' windows
+
+
+def piece_windows(index: int, piece: tuple[str, ...], spec: JsonlSpec, split: str, *, text: bool,
+                  rows: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """Piece `index` of a tokenized source (one .jsonl file; with `text`, a group of
+    text files), its `split` windows about `rows` at a time (default `stream_rows`):
+    mapped from the token cache where an entry holds them (the driver's count pass
+    writes them, unless `data.window_cache` is off), else tokenized
+    (`stream_jsonl_windows`, `stream_text_group_windows`: a node without the driver's
+    cache, an entry removed since) and written there once the piece has been read to its
+    end. The same arrays either way."""
+    _check_split(split)
+    rows = rows or stream_rows(spec.seq_len)
+    key = _Piece(index, piece, text).key(spec)
+    cache = _TokenCache.open(spec) if spec.window_cache else None
+    held = cache.windows(piece, key, split, spec.seq_len) if cache else None
+    if held is not None:
+        return window_cache.slices(held, rows)
+    chunks = (text_groups.stream_text_group_windows(index, piece, spec, split, rows=rows) if text
+              else jsonl.stream_jsonl_windows(index, piece[0], spec, split, rows=rows))
+    if cache is None:
+        return chunks
+    return _kept(window_cache.tee(chunks, lambda: cache.window_writer(piece, key, split, spec.seq_len)), cache)
+
+
+_PRUNE_EVERY_S = 60.0  # a read task's process looks over the cache at most this often
+_last_prune = -_PRUNE_EVERY_S
+# A read task cannot tell its run's other entries: it leaves any used within the day.
+_READ_TASK_RECENT_S = 24 * 3600
+
+
+def _kept(chunks: Iterator[dict[str, np.ndarray]], cache: _TokenCache) -> Iterator[dict[str, np.ndarray]]:
+    """`chunks` (a read task's, written to the token cache as they are read), then the
+    cache kept within its limit (`windows_limit`; the driver has checked its value), at
+    most once a minute per process: a node whose cache the driver does not see (its own
+    home folder) stays within it too."""
+    global _last_prune
+    yield from chunks
+    if time.monotonic() - _last_prune >= _PRUNE_EVERY_S:
+        _last_prune = time.monotonic()
+        with contextlib.suppress(ConfigError):
+            cache.prune(windows_limit(), recent_s=_READ_TASK_RECENT_S)
