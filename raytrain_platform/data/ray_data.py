@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from raytrain_platform.data import jsonl, sources
+from raytrain_platform.data import jsonl, parquet, sources
 from raytrain_platform.data.sources import DataInfo, SourceSpec
 from raytrain_platform.parallel.dims import ParallelDims
 
@@ -86,8 +86,8 @@ class _ParquetChunks:
         self.spec, self.features, self.split, self.root = spec, features, split, root
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        parts = [sources.read_parquet_chunk(
-            sources.ParquetChunk(str(p), int(rg), int(first), int(n)), self.spec, self.features,
+        parts = [parquet.read_parquet_chunk(
+            parquet.ParquetChunk(str(p), int(rg), int(first), int(n)), self.spec, self.features,
             self.split, self.root)
             for p, rg, first, n in zip(batch["path"], batch["row_group"], batch["first_id"],
                                        batch["num_rows"])]
@@ -154,8 +154,8 @@ def parquet_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
     block). Row order is unchanged."""
     import ray.data
 
-    root, rspec, field = sources._parquet_root_for(spec, split)
-    chunks, _ = sources.parquet_chunks(root, rspec, field)
+    root, rspec, field = parquet.root_for(spec, split)
+    chunks, _ = parquet.parquet_chunks(root, rspec, field)
     items = [{"path": c.path, "row_group": c.row_group, "first_id": c.first_id,
               "num_rows": c.num_rows} for c in chunks]
     per_read = max(1, rows_per_read // max(1, max(c.num_rows for c in chunks)))
