@@ -23,22 +23,17 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from raytrain_platform.core.adapters import base_identity, param_counts, reset_adapters
+from raytrain_platform.core.build import build_model
 from raytrain_platform.core.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain_platform.core.counted import counted_positions, counted_rows
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
 from raytrain_platform.core.nonfinite import NonFiniteGuard
 from raytrain_platform.core.optim import build_optimizer, lr_at
 from raytrain_platform.core.profile import StepProfiler
-from raytrain_platform.core.weights import load_safetensors, materialize
-from raytrain_platform.models.lora import apply_lora, base_source_name
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.tasks import get_task
-from raytrain_platform.parallel.base import Parallelized
-from raytrain_platform.parallel.compose import parallelize
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.parallel.memory import state_bytes
-from raytrain_platform.parallel.registry import get_strategy
 from raytrain_platform.resolve import ResolvedJob
 from raytrain_platform.core.rundir import TRACKING_FILE, MetricsLog
 from raytrain_platform.tracking.steps import open_step_trackers
@@ -84,7 +79,8 @@ class Engine:
         self.profiler = profiler  # `rtp doctor`'s measured runs (core/profile.py)
         self.family = get_family(self.cfg.model.name)
         self.task = get_task(self.cfg.model.resolved_task, self.cfg.model.name)
-        self.wrapped = self._build(resuming=resuming)
+        built = build_model(self.cfg, env, self.family, resuming=resuming)
+        self.wrapped, self.param_counts, self.base = built.wrapped, built.param_counts, built.base
         # Data-parallel coordinates: ranks of one TP/PP group read the same micro-batches.
         dims = ParallelDims.from_config(self.cfg)
         self.data_world, self.data_rank = dims.dp, dims.data_rank(env.rank)
@@ -101,55 +97,6 @@ class Engine:
         # train.logits counted: the output head runs on the counted tokens only (core/counted.py)
         counted = (self.task.name == "lm" and t.logits == "counted" and self.wrapped.pipeline is None)
         self.head = self.family.output_head(self.wrapped.base) if counted else None
-
-    def _parallelize(self, model: torch.nn.Module) -> Parallelized:
-        m = self.cfg.model
-        return parallelize(model, env=self.env, cfg=self.cfg.parallel, family=self.family,
-                           model_kwargs=m.kwargs, block_class=m.block_class)
-
-    def _build(self, *, resuming: bool) -> Parallelized:
-        """The model, parallelized. Initialised on the CPU with the run's seed (the same
-        weights on every rank), or, for pretrained weights, built on the meta device
-        and filled from the model's safetensors files."""
-        m, par = self.cfg.model, self.cfg.parallel
-        torch.manual_seed(self.cfg.train.seed)
-        files = self.family.pretrained_files(m.kwargs)
-        self.base = None if m.lora is None else base_identity(
-            model_name=m.name, kwargs=m.kwargs, seed=self.cfg.train.seed, files=files)
-        if files is None:
-            model = self._adapt(self.family.build(m.kwargs))
-            if m.lora is not None:
-                reset_adapters(model, self.cfg.train.seed)
-            return self._parallelize(model.to(self.env.device))
-        model = self._adapt(self.family.build(m.kwargs, device="meta"))
-        if get_strategy(par.strategy).shards_state or par.tp_size * par.pp_size > 1:
-            # No rank ever holds the whole model: split the meta model, then each rank
-            # gives its shards storage and reads only their slices of the files.
-            wrapped = self._parallelize(model)
-            # A pipeline rank fills only its stages (the meta model may be whole: copies were cut).
-            for part in wrapped.pipeline.parts if wrapped.pipeline is not None else [model]:
-                self._fill(part, files, resuming=resuming)
-            return wrapped
-        # Replicas (none, ddp) hold the whole model anyway; load before DDP broadcasts it.
-        self._fill(model, files, resuming=resuming)
-        return self._parallelize(model)
-
-    def _adapt(self, model: torch.nn.Module) -> torch.nn.Module:
-        """LoRA adapters injected (``model.lora``), before any parallelism wraps the
-        model; its parameter counts recorded for the metrics and summary."""
-        if self.cfg.model.lora is not None:
-            model = apply_lora(model, self.cfg.model.lora, model_name=self.cfg.model.name)
-        self.param_counts = param_counts(model)
-        return model
-
-    def _fill(self, model: torch.nn.Module, files: list[str], *, resuming: bool) -> None:
-        materialize(model, self.env.device)
-        self.family.init_buffers(model, self.env.device)
-        lora = self.cfg.model.lora is not None
-        if not resuming or lora:  # a resumed run reads its own checkpoint (LoRA: adapters only)
-            load_safetensors(model, files, source_name=base_source_name if lora else None)
-        if lora:
-            reset_adapters(model, self.cfg.train.seed)
 
     # ------------------------------------------------------------ state
 

@@ -1,0 +1,81 @@
+"""The engine's model: built from its family, LoRA adapters injected, parallelized,
+and pretrained weights read into it (Ray-free).
+
+Weights come one of two ways. Without pretrained files the model is initialised on
+the CPU with the run's seed, so every rank starts from the same weights. With them it
+is built on the meta device; a layout that shards or splits it (FSDP, TP, PP) is
+applied first, and each rank then gives its own shards storage and reads only their
+slices of the files: no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raytrain_platform.config import JobConfig
+from raytrain_platform.core.adapters import base_identity, param_counts, reset_adapters
+from raytrain_platform.core.dist import DistEnv
+from raytrain_platform.core.weights import load_safetensors, materialize
+from raytrain_platform.models.family import ModelFamily
+from raytrain_platform.models.lora import apply_lora, base_source_name
+from raytrain_platform.parallel.base import Parallelized
+from raytrain_platform.parallel.compose import parallelize
+from raytrain_platform.parallel.registry import get_strategy
+
+__all__ = ["BuiltModel", "build_model"]
+
+
+@dataclass
+class BuiltModel:
+    wrapped: Parallelized
+    param_counts: dict[str, int]  # total and trainable parameters (`adapters.param_counts`)
+    base: dict | None  # a LoRA run's base identity (`adapters.base_identity`), else None
+
+
+def build_model(cfg: JobConfig, env: DistEnv, family: ModelFamily, *, resuming: bool) -> BuiltModel:
+    """The job's model, parallelized, its weights from the seed or the pretrained files
+    (a resumed run reads its own checkpoint afterwards: only a LoRA base is read here)."""
+    m, par = cfg.model, cfg.parallel
+    torch.manual_seed(cfg.train.seed)
+    files = family.pretrained_files(m.kwargs)
+    base = None if m.lora is None else base_identity(
+        model_name=m.name, kwargs=m.kwargs, seed=cfg.train.seed, files=files)
+
+    def adapted(model: torch.nn.Module) -> torch.nn.Module:
+        # LoRA adapters go in before any parallelism wraps the model.
+        return model if m.lora is None else apply_lora(model, m.lora, model_name=m.name)
+
+    def parallelized(model: torch.nn.Module) -> Parallelized:
+        return parallelize(model, env=env, cfg=par, family=family, model_kwargs=m.kwargs,
+                           block_class=m.block_class)
+
+    def fill(model: torch.nn.Module) -> None:
+        assert files is not None
+        materialize(model, env.device)
+        family.init_buffers(model, env.device)
+        if not resuming or m.lora is not None:  # a resumed run reads its own checkpoint (LoRA: adapters only)
+            load_safetensors(model, files, source_name=base_source_name if m.lora is not None else None)
+        if m.lora is not None:
+            reset_adapters(model, cfg.train.seed)
+
+    if files is None:
+        model = adapted(family.build(m.kwargs))
+        counts = param_counts(model)
+        if m.lora is not None:
+            reset_adapters(model, cfg.train.seed)
+        return BuiltModel(parallelized(model.to(env.device)), counts, base)
+    model = adapted(family.build(m.kwargs, device="meta"))
+    counts = param_counts(model)
+    if get_strategy(par.strategy).shards_state or par.tp_size * par.pp_size > 1:
+        # No rank ever holds the whole model: split the meta model, then each rank
+        # gives its shards storage and reads only their slices of the files.
+        wrapped = parallelized(model)
+        # A pipeline rank fills only its stages (the meta model may be whole: copies were cut).
+        for part in wrapped.pipeline.parts if wrapped.pipeline is not None else [model]:
+            fill(part)
+        return BuiltModel(wrapped, counts, base)
+    # Replicas (none, ddp) hold the whole model anyway; load before DDP broadcasts it.
+    fill(model)
+    return BuiltModel(parallelized(model), counts, base)
