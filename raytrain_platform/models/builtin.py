@@ -87,9 +87,6 @@ class GPTFamily(ModelFamily):
     def output_head(self, model: "nn.Module") -> "nn.Module | None":
         return model.lm_head  # type: ignore[return-value]  # None on a pipeline stage without it
 
-    def num_blocks(self, kwargs: dict) -> int:
-        return kwargs["n_layer"]
-
     def check_model_parallel(self, kwargs: dict, *, tp: int, pp: int, stages: int,
                              pp_split: list[int] | None) -> None:
         if tp > 1 and kwargs["n_head"] % tp:

@@ -210,9 +210,6 @@ class ModelFamily:
         itself, whose forward skips the ends a stage lacks). Same parameter names."""
         return model
 
-    def num_blocks(self, kwargs: dict) -> int | None:
-        return None
-
     # ---- planner, export, serving --------------------------------------------------------
     def shape(self, kwargs: dict, *, seq_len: int | None = None) -> "ModelShape":
         """The model as `rtp plan` sees it at `seq_len` tokens per sample (default: the
