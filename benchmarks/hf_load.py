@@ -8,7 +8,7 @@ peak <= 0.6x the one-process peak.
 
 Sides, each in a fresh process, interleaved over repeats:
 
-- ``fsdp2``: the platform's path (core/engine.py `_build`): the model built on the
+- ``fsdp2``: the platform's path (core/build.py `build_model`): the model built on the
   meta device, `fully_shard` per decoder layer (parallel/compose.py), ``to_empty``,
   then each rank reads only its slices of the safetensors files (core/weights.py);
 - ``pp2``: two pipeline stages (models/hf_pipeline.py): each rank keeps its half of the
@@ -92,7 +92,7 @@ def worker(side: str, model_dir: str) -> dict:
         before = _status("VmRSS")
         _reset_peak()
         t0 = time.perf_counter()
-        for part in parts:  # as core/engine.py `_fill` does
+        for part in parts:  # as core/build.py `build_model` fills each part
             materialize(part, env.device)
             fam.init_buffers(part, env.device)
             load_safetensors(part, fam.pretrained_files(kw))

@@ -1,4 +1,5 @@
-"""JSONL instruction data (`data/jsonl.py`) and the offline tiny LLM maker
+"""JSONL instruction data and tokenized text (`data/jsonl.py`, `data/text_groups.py`,
+`data/pieces.py`) and the offline tiny LLM maker
 (`tools/tiny_llm.py`), with a real tokenizer, model and data: no Ray, no mocks, no hub."""
 
 import os
@@ -78,7 +79,6 @@ def own_copies(tiny, tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path, Jso
 
 def three_text_groups(tiny, folder: Path) -> list[tuple[str, ...]]:
     """The tiny text records dealt into 3 text files under `folder`, one group each."""
-
     for i in range(3):
         write(folder / f"{i}.txt", [json.loads(line)["text"] for line in tiny["text"].read_text().splitlines()[i::3]])
     return text_groups.text_groups([(str(p), p.stat().st_size) for p in sorted(folder.iterdir())], group_bytes=1)
@@ -420,7 +420,6 @@ def test_text_groups_counts_are_cached(tiny, tmp_path, monkeypatch):
 
 def _piece(spec, split: str, *, index: int = 0, piece=None, text: bool = False, rows: int | None = None):
     """One read task's windows (`piece_windows`, as the read tasks call it), joined."""
-
     piece = piece or (jsonl_files(spec)[0],)
     chunks = list(pieces.piece_windows(index, piece, spec, split, text=text, rows=rows))
     return {k: np.concatenate([c[k] for c in chunks]) for k in ("tokens", "loss_mask", "sample_id")}, chunks

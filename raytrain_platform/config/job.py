@@ -69,9 +69,6 @@ class JobConfig:
                    "scaling.min_workers", self.scaling.min_workers,
                    "null (fixed size) unless parallel.strategy is ddp, fsdp or auto with tp_size and "
                    "pp_size 1: an elastic worker group changes the data-parallel size only")
-        for name in ("mixed_precision", "cpu_offload"):
-            _check(self.scaling.use_gpu or not getattr(par, name), f"parallel.{name}",
-                   getattr(par, name), "false when scaling.use_gpu is false (GPU-only FSDP option)")
 
     def _check_batch(self) -> None:
         """A global batch given beside the micro-batch equals their product; `auto` needs it."""
@@ -88,8 +85,12 @@ class JobConfig:
                    f"({t.grad_accum_steps}) x data-parallel workers ({dp}) = {product}")
 
     def _check_block_options(self) -> None:
-        """Checkpointing and compiling need repeated blocks; recompute refuses dropout."""
+        """GPU-only FSDP options need GPUs; checkpointing and compiling need repeated
+        blocks; recomputing inside compiled blocks refuses dropout."""
         par, family = self.parallel, get_family(self.model.name)
+        for name in ("mixed_precision", "cpu_offload"):
+            _check(self.scaling.use_gpu or not getattr(par, name), f"parallel.{name}",
+                   getattr(par, name), "false when scaling.use_gpu is false (GPU-only FSDP option)")
         for name, (verb, _) in par.BLOCK_OPTIONS.items():
             _check(family.has_blocks or not getattr(par, name), f"parallel.{name}", getattr(par, name),
                    f"false for model '{self.model.name}' (it has no repeated blocks to {verb})")
@@ -232,7 +233,6 @@ def _validate_pipeline(cfg: JobConfig) -> None:
     if par.pp_schedule == "interleaved_1f1b":
         _check(micro % par.pp_size == 0, "parallel.pp_microbatches", micro,
                f"a multiple of parallel.pp_size ({par.pp_size}) for interleaved_1f1b")
-
 
 
 def load_config(source: str | os.PathLike | dict | JobConfig,

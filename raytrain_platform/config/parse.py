@@ -119,7 +119,6 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
     return data
 
 
-
 def read_yaml(path: Path, what: str = "config") -> Any:
     """A YAML file's data (``safe_load``: tags that would build Python objects are
     refused), or one `ConfigError` naming `what` and the file: missing, unreadable, not

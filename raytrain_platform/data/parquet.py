@@ -162,8 +162,6 @@ def describe_parquet(spec: SourceSpec) -> DataInfo:
                     num_classes=classes, feature_columns=features)
 
 
-
-
 def _max_label(chunks: list[ParquetChunk], spec: SourceSpec) -> int:
     """The largest class index, from row-group statistics where they exist."""
     import pyarrow.compute as pc

@@ -25,6 +25,7 @@ from raytrain_platform.units import format_size
 
 __all__ = ["CountProgress", "count_windows", "count_text_windows", "piece_windows"]
 
+
 class CountProgress:
     """Progress of the driver's count pass, on stderr: nothing for a pass shorter than
     `quiet` seconds, then a line every `every` seconds and one at the end.
@@ -263,7 +264,6 @@ def count_windows(spec: JsonlSpec) -> tuple[int, int]:
                         f"{spec.seq_len - 1} tokens (+1) (too little data, or lower data.seq_len)")
     progress.done(train, val)
     return train, val
-
 
 
 def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[int, int]:

@@ -9,7 +9,8 @@ their position across the sorted files (`parquet.py`). The validation split hold
 whose hash falls under ``val_fraction``, so it never depends on world size.
 
 With a tokenizer (``data.tokenizer``, or the model family's own), text and jsonl are
-*tokenized* sources (`jsonl.py`): int32 token windows with a ``loss_mask``, read one
+*tokenized* sources (`jsonl.py`, `text_groups.py`; counted and read by piece in
+`pieces.py`): int32 token windows with a ``loss_mask``, read one
 piece at a time (a .jsonl file, or a group of consecutive text files); a piece's
 windows are ``piece_index << 32 | window_index`` (jsonl's validation windows also set
 bit 31). Without a tokenizer, text is bytes as above.

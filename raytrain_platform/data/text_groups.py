@@ -77,7 +77,7 @@ def text_group_windows(group_index: int, paths: tuple[str, ...], spec: JsonlSpec
                        split: str) -> dict[str, np.ndarray]:
     """One group of text files packed into windows, the `split` part of them: as the
     byte-level text source, windows (not files) go to train or val by a hash of their
-    ``group_index << 32 | window_index`` id. Same arrays as `jsonl_windows`."""
+    ``group_index << 32 | window_index`` id. Same arrays as `jsonl.jsonl_windows`."""
     return _joined(stream_text_group_windows(group_index, paths, spec, split), spec.seq_len)
 
 
