@@ -162,9 +162,15 @@ def breakdown(side: str, a: tuple, b: tuple, dt: float) -> dict:
                         "off_cpu": round(max(0.0, 1 - on - wait), 3),
                         "preempted_per_s": round(d["preempted"] / dt), "sleeps_per_s": round(d["voluntary"] / dt)})
     groups: dict[str, dict] = defaultdict(lambda: {"cores": 0.0, "wakeups_per_s": 0.0, "processes": set()})
+    inside: dict[str, dict] = defaultdict(lambda: {"cores": 0.0, "wakeups_per_s": 0.0, "threads": 0})
     for k, d in delta.items():
         if k in train_threads.values():
             continue
+        if k[0] in training_pids:  # the training processes' other threads, by thread name
+            t = inside[tb[k]["name"]]
+            t["cores"] += d["cpu_s"] / dt
+            t["wakeups_per_s"] += (d["voluntary"] + d["preempted"]) / dt
+            t["threads"] += 1
         name = ("training processes' other threads" if k[0] in training_pids
                 else _process_name(tb[k]["cmd"]))
         g = groups[name]
@@ -183,6 +189,10 @@ def breakdown(side: str, a: tuple, b: tuple, dt: float) -> dict:
                           "cores": round(sum(g["cores"] for g in ray_groups), 3),
                           "wakeups_per_s": round(sum(g["wakeups_per_s"] for g in ray_groups))},
         "others_top": [g for g in others if g["cores"] >= 0.002][:12],
+        "training_processes_other_threads": sorted(
+            ({"name": n, "cores": round(t["cores"], 3), "wakeups_per_s": round(t["wakeups_per_s"]),
+              "threads": t["threads"]} for n, t in inside.items() if t["wakeups_per_s"] >= 5),
+            key=lambda t: -t["wakeups_per_s"])[:12],
         "machine_busy_cores": round(sum(v for n, v in stat.items() if n not in ("idle", "iowait", "steal")), 3),
         "steal_cores": round(stat["steal"], 3),
     }
