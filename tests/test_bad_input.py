@@ -253,3 +253,22 @@ def test_synthetic_data_is_bounded(tmp_path):
     with pytest.raises(ConfigError, match=r"data.num_samples = 10000000000000: expected an integer from 1 to "):
         load_config(mlp_config(tmp_path, "s", data={"source": "synthetic", "batch_size": 4,
                                                    "num_samples": 10**13}))
+
+
+@pytest.mark.parametrize("field", ["path", "val_path"])
+def test_a_path_pyarrow_cannot_read_names_its_field(tmp_path, capsys, field):
+    """One reader of local paths and URIs (`sources.filesystem`) for Parquet and JSONL;
+    the message names the field that holds the bad URI (it said data.path for both)."""
+    cfg = _tabular(tmp_path, _parquet(tmp_path / "ok", [0, 1] * 8), "classification")
+    cfg["data"][field] = "nope://bucket/x"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    _one_line_exit_2(["validate", str(tmp_path / "c.yaml")], capsys,
+                     f"data.{field} = 'nope://bucket/x': not a readable path or filesystem URI")
+
+
+def test_a_jsonl_uri_pyarrow_cannot_read_is_one_error():
+    from raytrain_platform.data.jsonl import JsonlSpec, jsonl_files
+
+    spec = JsonlSpec(path="nope://bucket/x", format="text", tokenizer="unused", seq_len=9, val_fraction=0.0)
+    with pytest.raises(DataError, match=r"^data.path = 'nope://bucket/x': not a readable path or filesystem URI"):
+        jsonl_files(spec)

@@ -40,20 +40,16 @@ token ``t`` is a training target: a trainer that predicts ``tokens[:, 1:]`` from
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from raytrain_platform.data import pool
 # Tokenizing records is encode.py's; its public names are this module's too.
 from raytrain_platform.data.encode import _batches, _check_record, _encode, encode_record, load_tokenizer
-from raytrain_platform.data.sources import split_mask
+from raytrain_platform.data.sources import filesystem, split_mask
 from raytrain_platform.errors import ConfigError, DataError
-
-if TYPE_CHECKING:
-    import pyarrow.fs as pafs
 
 __all__ = [
     "FORMATS",
@@ -101,23 +97,12 @@ class JsonlSpec:
 # ---------------------------------------------------------------- files
 
 
-def _filesystem(path: str) -> tuple["pafs.FileSystem", str]:
-    import pyarrow.fs as pafs
-
-    try:
-        if "://" in path:
-            return pafs.FileSystem.from_uri(path)
-        return pafs.LocalFileSystem(), os.path.abspath(path)
-    except Exception as exc:  # pyarrow raises several types for bad URIs
-        raise DataError(f"data.path = {path!r}: not a readable path or URI ({exc})") from None
-
-
 def jsonl_files(spec: JsonlSpec) -> list[str]:
     """The .jsonl files under ``spec.path``, sorted; URIs stay URIs (so any process can
     open them again), local paths become absolute."""
     import pyarrow.fs as pafs
 
-    fs, root = _filesystem(spec.path)
+    fs, root = filesystem(spec.path)
     info = fs.get_file_info(root)
     if info.type == pafs.FileType.NotFound:
         raise DataError(f"data.path = {spec.path!r}: no such file or folder")
@@ -143,7 +128,7 @@ def _file_blocks(path: str, block_bytes: int) -> Iterator[tuple[int, bytes]]:
     read about `block_bytes` at a time: the file is never held whole. The last block
     holds what follows the last newline (empty when the file ends with one, and for an
     empty file: every file gives at least one block). DataError when it cannot be read."""
-    fs, local = _filesystem(path)
+    fs, local = filesystem(path)
     try:
         stream = fs.open_input_stream(local)
     except OSError as exc:

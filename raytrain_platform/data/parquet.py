@@ -4,13 +4,12 @@ before Ray starts (numpy and pyarrow only: no Ray, no torch)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from raytrain_platform.data.sources import DataInfo, SourceSpec, _count, split_mask
+from raytrain_platform.data.sources import DataInfo, SourceSpec, _count, filesystem, split_mask
 from raytrain_platform.errors import DataError
 
 if TYPE_CHECKING:
@@ -23,21 +22,10 @@ __all__ = ["MAX_CLASSES", "ParquetChunk", "parquet_files", "parquet_chunks", "ch
 MAX_CLASSES = 1_000_000  # a classification label column's largest index + 1
 
 
-def _parquet_fs(path: str) -> tuple["pafs.FileSystem", str]:
-    import pyarrow.fs as pafs
-
-    try:
-        if "://" in path:
-            return pafs.FileSystem.from_uri(path)
-        return pafs.LocalFileSystem(), os.path.abspath(path)
-    except Exception as exc:  # pyarrow raises several types for bad URIs
-        raise DataError(f"data.path = {path!r}: not a readable filesystem path or URI ({exc})") from None
-
-
 def parquet_files(path: str, field: str = "data.path") -> tuple["pafs.FileSystem", list[str]]:
     import pyarrow.fs as pafs
 
-    fs, root = _parquet_fs(path)
+    fs, root = filesystem(path, field)
     info = fs.get_file_info(root)
     if info.type == pafs.FileType.NotFound:
         raise DataError(f"{field} = {path!r}: no such file or folder")
@@ -117,7 +105,7 @@ def read_parquet_chunk(chunk: ParquetChunk, spec: SourceSpec, features: tuple[st
                        split: str, root: str) -> dict[str, np.ndarray]:
     import pyarrow.parquet as pq
 
-    fs, _ = _parquet_fs(root)
+    fs, _ = filesystem(root)
     table = pq.ParquetFile(chunk.path, filesystem=fs).read_row_group(
         chunk.row_group, columns=[*features, spec.label_column])
     ids = np.arange(chunk.first_id, chunk.first_id + chunk.num_rows, dtype=np.int64)
@@ -167,7 +155,7 @@ def _max_label(chunks: list[ParquetChunk], spec: SourceSpec) -> int:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    fs, _ = _parquet_fs(spec.path or "")
+    fs, _ = filesystem(spec.path or "")
     best = 0
     for path in sorted({c.path for c in chunks}):
         col = pq.read_table(path, columns=[spec.label_column], filesystem=fs).column(0)

@@ -18,7 +18,7 @@ import numpy as np
 
 from raytrain_platform.data import jsonl, pool, text_groups, window_cache
 from raytrain_platform.data.jsonl import JsonlSpec, _Packer, _check_split, _file_key, _first_id, stream_rows
-from raytrain_platform.data.sources import split_mask
+from raytrain_platform.data.sources import filesystem, split_mask
 from raytrain_platform.data.token_cache import MAX_SIZE_ENV, _CountedWindows, _TokenCache, windows_limit
 from raytrain_platform.errors import ConfigError, DataError
 from raytrain_platform.units import format_size
@@ -245,7 +245,7 @@ def _size(path: str) -> int:
     try:
         if "://" not in path:
             return os.path.getsize(path)
-        fs, local = jsonl._filesystem(path)
+        fs, local = filesystem(path)
         return max(0, fs.get_file_info(local).size or 0)
     except (OSError, DataError):
         return 0

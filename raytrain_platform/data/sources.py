@@ -31,6 +31,8 @@ import numpy as np
 from raytrain_platform.errors import DataError
 
 if TYPE_CHECKING:
+    import pyarrow.fs as pafs
+
     from raytrain_platform.config import JobConfig
     from raytrain_platform.data.jsonl import JsonlSpec
 
@@ -39,6 +41,7 @@ __all__ = [
     "DataInfo",
     "default_text_root",
     "split_mask",
+    "filesystem",
     "text_files",
     "text_windows",
     "synthetic_rows",
@@ -56,6 +59,19 @@ _SYNTH_CHUNK = 256  # rows generated together from one seeded RNG
 def default_text_root() -> str:
     """The Python standard library's own sources: real text every machine has."""
     return sysconfig.get_paths()["stdlib"]
+
+
+def filesystem(path: str, field: str = "data.path") -> tuple["pafs.FileSystem", str]:
+    """A local path or a pyarrow filesystem URI (``s3://...``) as (filesystem, path in
+    it); one `DataError` naming `field` when pyarrow cannot make sense of it."""
+    import pyarrow.fs as pafs
+
+    try:
+        if "://" in path:
+            return pafs.FileSystem.from_uri(path)
+        return pafs.LocalFileSystem(), os.path.abspath(path)
+    except Exception as exc:  # pyarrow raises several types for bad URIs
+        raise DataError(f"{field} = {path!r}: not a readable path or filesystem URI ({exc})") from None
 
 
 def split_mask(ids: np.ndarray, val_fraction: float, split: str) -> np.ndarray:

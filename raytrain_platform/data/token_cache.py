@@ -145,9 +145,9 @@ class _TokenCache:
             if "://" not in path:
                 st = os.stat(path)
                 return [path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-            from raytrain_platform.data.jsonl import _filesystem
+            from raytrain_platform.data.sources import filesystem
 
-            fs, local = _filesystem(path)
+            fs, local = filesystem(path)
             info = fs.get_file_info(local)
         except (OSError, DataError):  # the count itself then says what is wrong
             return None
