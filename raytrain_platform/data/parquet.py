@@ -151,7 +151,7 @@ def describe_parquet(spec: SourceSpec) -> DataInfo:
 
 
 def _max_label(chunks: list[ParquetChunk], spec: SourceSpec) -> int:
-    """The largest class index, from row-group statistics where they exist."""
+    """The largest class index in the training files (their label column, read whole)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
