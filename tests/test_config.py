@@ -185,3 +185,16 @@ def test_too_little_data_names_the_data_parallel_ranks():
     with pytest.raises(DataError, match=r"data-parallel ranks \(1: scaling\.num_workers 2 / \(tp_size x "
                                         r"pp_size\)\) x data\.batch_size \(8\) x train\.grad_accum_steps \(1\) = 8$"):
         resolve_job(load_config({**base, "parallel": {"tp_size": 2}}))
+
+
+def test_the_checks_across_sections_report_in_a_fixed_order(tmp_path):
+    """JobConfig's checks run layout, batch, GPU-only options, blocks, model and data, in
+    that order: a config with several errors names the same one first on every release."""
+    two_errors = mlp_config(tmp_path, "order", data={"source": "synthetic", "batch_size": "auto"},
+                            parallel={"strategy": "fsdp", "mixed_precision": True},
+                            scaling={"num_workers": 2, "use_gpu": False})
+    with pytest.raises(ConfigError, match=r"^train.global_batch_size = None"):
+        load_config(two_errors)
+    two_errors["train"]["global_batch_size"] = 8  # the batch error mended: the next one shows
+    with pytest.raises(ConfigError, match=r"^parallel.mixed_precision = True: .*GPU-only FSDP option"):
+        load_config(two_errors)
