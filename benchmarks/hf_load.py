@@ -65,7 +65,7 @@ def worker(side: str, model_dir: str) -> dict:
 
     from raytrain_platform.config import ParallelConfig
     from raytrain_platform.core.dist import init_torchrun
-    from raytrain_platform.core.weights import load_safetensors, materialize
+    from raytrain_platform.core.build import fill_pretrained
     from raytrain_platform.models import get_family
     from raytrain_platform.parallel.compose import parallelize
     from raytrain_platform.parallel.memory import local_tensor
@@ -92,10 +92,8 @@ def worker(side: str, model_dir: str) -> dict:
         before = _status("VmRSS")
         _reset_peak()
         t0 = time.perf_counter()
-        for part in parts:  # as core/build.py `build_model` fills each part
-            materialize(part, env.device)
-            fam.init_buffers(part, env.device)
-            load_safetensors(part, fam.pretrained_files(kw))
+        for part in parts:  # the platform's own loader, as core/build.py `build_model` fills each part
+            fill_pretrained(part, fam, fam.pretrained_files(kw), env.device)
     params = [p for part in parts for p in part.parameters()]
     # Read every weight held, inside the measured window: transformers maps the files and
     # reads pages only when a weight is first used; this counts them on every side alike.

@@ -11,6 +11,7 @@ slices of the files: no rank ever holds the whole model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -24,7 +25,7 @@ from raytrain_platform.parallel.base import Parallelized
 from raytrain_platform.parallel.compose import parallelize
 from raytrain_platform.parallel.registry import get_strategy
 
-__all__ = ["BuiltModel", "build_model"]
+__all__ = ["BuiltModel", "build_model", "fill_pretrained"]
 
 
 @dataclass
@@ -32,6 +33,17 @@ class BuiltModel:
     wrapped: Parallelized
     param_counts: dict[str, int]  # total and trainable parameters (`adapters.param_counts`)
     base: dict | None  # a LoRA run's base identity (`adapters.base_identity`), else None
+
+
+def fill_pretrained(model: torch.nn.Module, family: ModelFamily, files: list[str], device: torch.device, *,
+                    read: bool = True, source_name: Callable[[str], str | None] | None = None) -> None:
+    """A meta-device `model` (or one pipeline stage of it) given storage on `device`,
+    its family's buffers set, then its tensors read from the safetensors `files`: only
+    its own slices under FSDP or TP. ``read=False`` leaves the weights to a checkpoint."""
+    materialize(model, device)
+    family.init_buffers(model, device)
+    if read:
+        load_safetensors(model, files, source_name=source_name)
 
 
 def build_model(cfg: JobConfig, env: DistEnv, family: ModelFamily, *, resuming: bool) -> BuiltModel:
@@ -53,10 +65,9 @@ def build_model(cfg: JobConfig, env: DistEnv, family: ModelFamily, *, resuming: 
 
     def fill(model: torch.nn.Module) -> None:
         assert files is not None
-        materialize(model, env.device)
-        family.init_buffers(model, env.device)
-        if not resuming or m.lora is not None:  # a resumed run reads its own checkpoint (LoRA: adapters only)
-            load_safetensors(model, files, source_name=base_source_name if m.lora is not None else None)
+        # a resumed run reads its own checkpoint (LoRA: the adapters only, the base from files)
+        fill_pretrained(model, family, files, env.device, read=not resuming or m.lora is not None,
+                        source_name=base_source_name if m.lora is not None else None)
         if m.lora is not None:
             reset_adapters(model, cfg.train.seed)
 
