@@ -137,9 +137,9 @@ def test_rtp_train_logs_its_choice_and_trains(tmp_path):
 
 
 def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
-    # An hf model with tied input and output embeddings has no TP and no PP (models/hf.py); a
-    # budget where the untied model gets TP x FSDP then gets "none fits" (or a
-    # data-parallel layout), never a layout the config check refuses (parallel.tp_size).
+    # An hf model with tied input and output embeddings has TP (the tie kept, parallel/tp.py)
+    # but no pipeline split (models/hf.py); the plan never picks a layout the config check
+    # refuses (parallel.pp_size).
     tied = tmp_path / "tied"
     shutil.copytree(tiny["model"], tied)
     conf = json.loads((tied / "config.json").read_text())
@@ -166,7 +166,7 @@ def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
     hf = {"model": {"name": "hf", "kwargs": {"path": str(tied)}},
           "data": {"source": "jsonl", "path": str(tiny["chat"]), "format": "chat", "seq_len": 64, "batch_size": 4},
           "train": {"max_steps": 4}, "run": {"name": "p", "storage_path": str(tmp_path)}}
-    assert pins(hf) == {"tp": 1, "pp": 1}  # tied embeddings: no TP, no pipeline split
+    assert pins(hf) == {"pp": 1}  # tied embeddings: TP, no pipeline split
     assert pins({**hf, "model": {"name": "hf", "kwargs": {"path": str(tiny["model"])}}}) == {}  # a Llama: both
     gpt3 = _cfg(tmp_path, "1GiB")
     gpt3["model"]["kwargs"] = {**GPT, "n_layer": 3}
@@ -178,26 +178,22 @@ def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
                data={"source": "synthetic", "batch_size": "auto"})
     assert pins(mlp) == {} and prepare(mlp).config.parallel.strategy == "ddp"  # the plan offers mlp no TP/PP
 
-    # rtp plan shows the refused splits as no option, with the family's reason, and
-    # refuses --tp 2 for the tied model.
+    # rtp plan shows the refused split as no option, with the family's reason, and
+    # refuses --pp 2 for the tied model; TP x FSDP stays an option.
     plan_cmd = [sys.executable, "-m", "raytrain_platform", "plan", "--device-mem", "8MiB",
                 "--devices-per-node", "2", "--global-batch", "16", "--seq-len", "64"]
     out = subprocess.run([*plan_cmd, "--model", f"hf:{tied}"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     rows = {line.split("  ")[0]: line for line in out.stdout.splitlines()}
-    assert "n/a: parallel.tp_size must be 1 for a model with tied input and output embeddings" in rows["TP x FSDP"]
+    assert "n/a" not in rows["TP x FSDP"], out.stdout
     assert "n/a: parallel.pp_size must be 1 for a model with tied input and output embeddings" in rows["PP x DP"], \
         out.stdout
-    out = subprocess.run([*plan_cmd, "--model", f"hf:{tied}", "--tp", "2"], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 2 and out.stderr.startswith("error: --tp = 2: expected 1: parallel.tp_size must be 1 "
+    out = subprocess.run([*plan_cmd, "--model", f"hf:{tied}", "--pp", "2"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and out.stderr.startswith("error: --pp = 2: expected 1: parallel.pp_size must be 1 "
                                                          "for a model with tied"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
     budgets = [f"{kib}KiB" for kib in range(16384, 1024, -512)]
     tp_budget = next(b for b in budgets if plan(tiny["model"], b).tp_size == 2)  # untied: TP x FSDP here
-    try:
-        par = plan(tied, tp_budget)
-    except ConfigError as err:
-        assert err.field == "parallel.strategy" and "none does" in str(err), err
-    else:
-        assert (par.tp_size, par.pp_size) == (1, 1), par
+    par = plan(tied, tp_budget)
+    assert (par.tp_size, par.pp_size) == (2, 1), par  # tied: TP x FSDP too (on one node, no plan splits stages)

@@ -87,7 +87,7 @@ def _bad_dirs(root: Path, good: Path) -> dict[str, Path]:
     (dirs["no_weights"] / "model.safetensors").unlink()
     for name, patch in (("remote_code", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}),
                         ("not_causal", {"architectures": ["LlamaForSequenceClassification"]}),
-                        ("tied", {"tie_word_embeddings": True}),  # a working model, no split: TP, PP
+                        ("tied", {"tie_word_embeddings": True}),  # a working model, no pipeline split
                         # a causal LM transformers knows, not Llama-style: no TP plan, no stages
                         ("gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})):
         conf = json.loads((dirs[name] / "config.json").read_text())
@@ -119,8 +119,6 @@ def test_bad_model_directories_are_one_line_exit_2_before_ray(tmp_path, tiny):
         ({"path": str(dirs["tied"])}, {"parallel": {"pp_size": 2}, "scaling": {"num_workers": 2}},
          "parallel.pp_size", "1 for a model with tied input and output embeddings (the first stage holds the "
                              "embedding, the last the LM head)"),
-        ({"path": str(dirs["tied"])}, {"parallel": {"tp_size": 2}, "scaling": {"num_workers": 2}},
-         "parallel.tp_size", "1 for a model with tied input and output embeddings (TP splits"),
         ({"path": str(dirs["gpt2"]), "init": "random"}, {"parallel": {"pp_size": 2}, "scaling": {"num_workers": 2}},
          "parallel.pp_size", "1 for model_type 'gpt2' (a tensor-parallel plan and a pipeline split exist for "
                              "['llama', 'mistral', 'qwen2', 'qwen3'])"),
@@ -340,6 +338,77 @@ def test_sharded_checkpoint_resumes_at_another_world_size(runs, tiny, target, np
     rows = torchrun_metrics(cfg, root / f"{target}.yaml", nproc, timeout=300)
     resumed = [r["loss"] for r in rows if r["step"] > 5]
     assert_losses_close(resumed, [r["loss"] for r in runs["fsdp2"] if r["step"] > 5], rtol=RTOL)
+
+
+# ---------------------------------------------------------------- a tied LM head under TP
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory, tiny) -> Path:
+    """The tiny Llama with its LM head tied to the embedding (as Llama 3.2 1B and the small
+    Qwens), saved by `save_pretrained` as such a model is published: the head is not in the
+    file, only ``model.embed_tokens.weight``."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("tied") / "model"
+    shutil.copytree(tiny["model"], out)
+    (out / "model.safetensors").unlink()
+    config = AutoConfig.from_pretrained(tiny["model"], local_files_only=True)
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(config)
+    state = AutoModelForCausalLM.from_pretrained(tiny["model"], local_files_only=True).state_dict()
+    model.load_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"}, strict=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(out)
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    return out
+
+
+TIED_LAYOUTS = {"fsdp2": LAYOUTS["fsdp2"], "tp2": LAYOUTS["tp2"], "tp2_fsdp2": LAYOUTS["tp2_fsdp2"]}
+
+
+@pytest.fixture(scope="module")
+def tied_runs(tmp_path_factory, tied) -> LayoutRuns:
+    return LayoutRuns(tmp_path_factory.mktemp("hf_tied_runs"), TIED_LAYOUTS,
+                      lambda root, name, **sections: hf_config(root, name, tied, **sections))
+
+
+def _dcp_tensors(path: Path, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of a DCP checkpoint whose keys end with one of `suffixes`, whole."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    reader = FileSystemReader(str(path))
+    meta = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.endswith(suffixes)}
+    load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", pytest.param("tp2_fsdp2", marks=pytest.mark.extended)])
+def test_a_tied_lm_head_stays_tied_and_matches_one_process(tied_runs, tied, layout):
+    """The file holds the embedding only. Every rank builds on the meta device, where
+    `to_empty` gives the head and the embedding a tensor each (core/weights.py ties them
+    again; one process read no head before), and TP splits the embedding by rows and the
+    head by columns: the same ``vocab x d`` weight along the vocabulary, one parameter
+    on each rank (parallel/tp.py restores the tie `parallelize_module` breaks). Untied,
+    the two would train on their own gradients: the losses would leave one process's,
+    and the checkpoint would hold two different tensors."""
+    one = _losses(tied_runs["one"])
+    assert len(one) == 10 and one[-1] < one[0] - 0.5, one
+    assert_losses_close(_losses(tied_runs[layout]), one, rtol=RTOL)
+    saved = _dcp_tensors(tied_runs.root / layout / "checkpoint_000010" / "sharded",
+                         ("lm_head.weight", "embed_tokens.weight"))
+    assert len(saved) == 2, list(saved)
+    head, embedding = (next(v for k, v in saved.items() if k.endswith(end))
+                       for end in ("lm_head.weight", "embed_tokens.weight"))
+    assert torch.equal(head, embedding)
+    from safetensors.torch import load_file
+
+    start = load_file(tied / "model.safetensors")["model.embed_tokens.weight"]
+    assert embedding.shape == start.shape and not torch.equal(embedding, start)  # trained from the pretrained
 
 
 def test_compile_without_a_cpp_compiler_is_one_line_and_exit_2(tmp_path, tiny):

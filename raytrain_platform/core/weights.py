@@ -20,13 +20,17 @@ import torch
 from torch import nn
 
 from raytrain_platform.errors import CheckpointError
+from raytrain_platform.parallel.ties import retie, shared_parameters
 
 __all__ = ["load_safetensors", "local_slice", "materialize"]
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
-    """Give a meta-device model (or its shards) real, uninitialised storage on `device`."""
+    """Give a meta-device model (or its shards) real, uninitialised storage on `device`;
+    tied parameters stay tied (`to_empty` gives plain tensors one copy per module)."""
+    tied = shared_parameters(model)
     model.to_empty(device=device)
+    retie(model, tied)
 
 
 def local_slice(target: torch.Tensor) -> tuple[slice, ...] | None:

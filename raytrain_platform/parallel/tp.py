@@ -11,6 +11,11 @@ are replicated, or with ``sequence_parallel`` run on sequence shards (activation
 between blocks are then split along T; the all-reduces become reduce-scatter +
 all-gather).
 
+A parameter shared by two modules (an LM head tied to its embedding) stays one
+parameter: `parallelize_module` distributes each module's parameters on its own, so the
+tie is restored afterwards, where the plan shards both uses alike (the embedding by
+rows and the head by columns both split the ``vocab x d`` weight along the vocabulary).
+
 Order (torchtitan): TP first, then FSDP on ``mesh["dp"]``, so TP'd parameters become
 2-D DTensors (Shard over dp, Shard/Replicate over tp).
 
@@ -27,6 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
+
+from raytrain_platform.parallel.ties import retie, shared_parameters
 
 
 __all__ = ["apply_tp", "tp_styles"]
@@ -97,11 +104,23 @@ def _grad_like_param(param: DTensor) -> None:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
+def _same_split(first: str, kept: nn.Parameter, name: str, other: nn.Parameter) -> None:
+    """Tied parameters stay one only where the plan splits both uses alike."""
+    if not (isinstance(kept, DTensor) and isinstance(other, DTensor) and other.shape == kept.shape
+            and other.device_mesh == kept.device_mesh and other.placements == kept.placements):
+        layouts = [getattr(p, "placements", "not split") for p in (kept, other)]
+        raise ValueError(f"the tensor-parallel plan splits the tied parameters {first} and {name} "
+                         f"differently ({layouts[0]} and {layouts[1]})")  # a bug in a family's plan
+
+
 def apply_tp(model: nn.Module, *, mesh: DeviceMesh, plan: dict[str, str], sequence_parallel: bool,
              reshard_grads: bool) -> None:
-    """Shard `model` in place over the 1-D TP `mesh` by its family's `plan`. With
-    `reshard_grads` (no FSDP on top), row-split embeddings keep only their rows' gradients."""
+    """Shard `model` in place over the 1-D TP `mesh` by its family's `plan`, keeping tied
+    parameters tied. With `reshard_grads` (no FSDP on top), row-split embeddings keep
+    only their rows' gradients."""
+    tied = shared_parameters(model)
     parallelize_module(model, mesh, tp_styles(plan, sequence_parallel=sequence_parallel))
+    retie(model, tied, check=_same_split)
     if reshard_grads:
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(_grad_like_param)
