@@ -235,6 +235,64 @@ def test_coalescer_merges_waiting_batches_of_one_kind_up_to_the_limit():
     assert isinstance(failed[0], ValueError)
 
 
+def test_predict_runs_each_row_width_apart_and_a_refused_width_fails_its_requests_only():
+    """A user model of unknown input width: requests of other widths batched with a good
+    one (ragged rows would make one tensor fail, and every request with it)."""
+    from raytrain_platform.serve.inference import predict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    four = _rows(2, features=4)
+    out = predict(model, [four, _rows(1, features=3), four[:1]], classification=True)
+    alone = predict(model, [four], classification=True)[0]
+    assert len(out) == 3 and out[0].error is None and out[0].predictions == alone.predictions
+    torch.testing.assert_close(torch.tensor(out[0].probabilities), torch.tensor(alone.probabilities))
+    assert out[2].predictions == alone.predictions[:1]
+    assert isinstance(out[1].error, RuntimeError) and out[1].predictions is None
+
+
+def test_rows_for_a_model_of_unknown_width_share_one_width_per_request():
+    from raytrain_platform.serve.app import _check_rows
+    from raytrain_platform.serve.http import APIError
+
+    entry = {"id": "user", "inputs": {"num_features": None}}
+    _check_rows(entry, [[1.0, 2.0], [3.0, 4.0]], max_rows=8)
+    for rows, message in (([[1.0, 2.0], [3.0]], "rows.1: 1 features; rows.0 has 2 (every row of a request needs "
+                                                "the same count)"),
+                          ([[]], "rows.0: 0 features; at least 1")):
+        with pytest.raises(APIError) as caught:
+            _check_rows(entry, rows, max_rows=8)
+        assert caught.value.status_code == 422 and caught.value.detail == message
+
+
+def test_a_tiny_temperature_generates_the_greedy_text():
+    """/v1/generate's sampling: logits / 1e-300 would overflow (softmax NaN: multinomial raised)."""
+    from raytrain_platform.models.gpt import GPT
+    from raytrain_platform.models.specs import GPTSpec
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTSpec(n_layer=1, n_head=2, n_embd=16, block_size=8)).eval()
+    jobs = [GenerationJob(b"hi", 6, temperature, top_k, seed=1)
+            for temperature, top_k in ((0.0, None), (1e-300, None), (5e-324, 5), (1e-40, None))]
+    out = generate(gpt, jobs, context_len=8)
+    assert len(out) == 4 and all(o == out[0] for o in out[1:]) and len(out[0]) == 6, out
+
+
+def test_a_port_that_is_not_ascii_digits_is_one_line_and_exit_2(runs, capsys):
+    assert "--port = '²'" in _cli_error(capsys, str(runs / "clf"), "--port", "²")  # '²'.isdigit() is True
+
+
+def test_a_byte_level_model_with_more_than_256_ids_is_refused_at_start_up(runs):
+    """A byte-level model (no tokenizer) sampling id 256 or more would have no text for it."""
+    from raytrain_platform.serve.catalog import describe
+
+    _, _, info = load_model_for_inference(str(runs / "lm"), servable=True)
+    assert describe("lm", info)["tokenizer"] is None
+    wide = {**info, "model": {**info["model"], "kwargs": {**info["model"]["kwargs"], "vocab_size": 512}}}
+    with pytest.raises(CheckpointError, match="model 'lm': vocab_size 512 with no tokenizer; a byte-level model"):
+        describe("lm", wide)
+
+
 # ---- over HTTP --------------------------------------------------------------------------------
 
 def test_health_models_and_openapi(served, runs):

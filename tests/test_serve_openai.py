@@ -205,6 +205,99 @@ def test_requests_are_checked_against_the_context_and_the_deployment_limits():
                 max_new_tokens=8)
 
 
+def test_a_limit_over_the_bounds_names_the_field_the_client_sent(tiny):
+    from raytrain_platform.serve.http import APIError
+    from raytrain_platform.serve.openai_api import prepare
+    from raytrain_platform.serve.openai_schemas import ChatRequest
+
+    tok = HFTokenizer(str(tiny["model"]))
+    entry = {"id": "m", "context_len": 64, "kv_cache": True, "stop_token_ids": []}
+    messages = [{"role": "user", "content": "hi"}]
+    for field in ("max_tokens", "max_completion_tokens"):
+        for asked, deployment_max, message in ((9, 8, f"{field}: 9; at most 8 (the deployment's max_new_tokens)"),
+                                               (63, 100, f"{field}: 63; this model's maximum context length is 64")):
+            with pytest.raises(APIError) as caught:
+                prepare(ChatRequest.model_validate({"messages": messages, field: asked}), entry, tok,
+                        max_new_tokens=deployment_max)
+            assert caught.value.detail.startswith(message) and caught.value.param == field, caught.value.detail
+
+
+class _NextId(torch.nn.Module):
+    """A 512-id LM whose greedy next token is the last one plus 1: after a prompt of 253 it
+    reaches 256, an id that is no byte (the byte tokenizer's decode raises)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(512, 512)
+        self.table.weight.data = 10 * torch.eye(512).roll(1, dims=1)  # row t peaks at t + 1
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table(ids)  # (B, T, vocab)
+
+
+class _Refuses(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(256, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        raise ValueError("this model refuses\nwith a second line of detail")
+
+
+def _byte_engine(model: torch.nn.Module) -> GenerationEngine:
+    return GenerationEngine(model, ByteTokenizer(), kv_cache=False, logits_of=lambda out: out, context_len=8)
+
+
+def test_a_token_the_tokenizer_cannot_decode_ends_that_request_only():
+    """The error reaches that request; the others in the step, and later ones, are served."""
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+
+    async def run() -> tuple:
+        engine = _byte_engine(_NextId())
+        bad, good = await asyncio.wait_for(asyncio.gather(
+            engine.generate([253], greedy), engine.generate(list(b"a"), greedy), return_exceptions=True), 30)
+        later = await asyncio.wait_for(engine.generate(list(b"k"), greedy), 30)
+        return bad, good, later, engine.running
+
+    bad, good, later, running = asyncio.run(run())
+    assert isinstance(bad, ValueError) and "range(0, 256)" in str(bad), bad
+    assert (good.text, good.finish_reason, later.text) == ("bcde", "length", "lmno") and running == []
+
+
+def test_an_error_in_a_stream_is_one_event_of_one_line_then_done():
+    from raytrain_platform.serve.openai_api import stream_events
+    from raytrain_platform.serve.openai_schemas import CompletionRequest
+
+    async def run() -> list[str]:
+        body = CompletionRequest.model_validate({"prompt": "hi", "stream": True})
+        return [event async for event in stream_events(body, "m", _byte_engine(_Refuses()), list(b"hi"),
+                                                        SamplingParams(max_tokens=2))]
+
+    events = asyncio.run(run())
+    assert len(events) == 2 and events[-1] == "data: [DONE]\n\n", events
+    error = json.loads(events[0].removeprefix("data: "))["error"]
+    assert error["message"] == "internal error: ValueError: this model refuses" and error["type"] == "server_error"
+
+
+def test_a_tiny_temperature_samples_the_argmax_and_zero_stays_greedy():
+    """logits / 1e-300 would overflow to inf (softmax: NaN, the last id drawn)."""
+    from raytrain_platform.serve.engine import sample_next
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
+    for temperature in (0.0, 1e-300, 5e-324, 1e-40):
+        for top_p in (1.0, 0.5):
+            token = sample_next(logits, SamplingParams(temperature=temperature, top_p=top_p),
+                                torch.Generator().manual_seed(0))
+            assert token == 1, (temperature, top_p, token)
+
+
+def test_text_stream_ends_before_the_earliest_stop_string_whatever_their_order():
+    for stop in (("c", "abc"), ("abc", "c")):
+        stream = TextStream(ByteTokenizer(), stop=stop)
+        assert [stream.push(b) for b in b"xabc"] == ["x", "", "", ""], stop
+        assert stream.stopped and stream.text == "x" and stream.finish() == ""
+
+
 def test_vllm_config_for_an_hf_export_validates_against_ray_serve_llm(models, tmp_path, capsys):
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 

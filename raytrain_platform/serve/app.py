@@ -55,6 +55,25 @@ api = make_api("raytrain_platform models", __version__)
 _ROUTE = {"predict": "POST /v1/predict", "generate": "POST /v1/completions, /v1/chat/completions or /v1/generate"}
 
 
+def _check_rows(entry: dict, rows: list[list[float]], *, max_rows: int) -> None:
+    """Rows as long as the model's input; for a user model whose family cannot tell the
+    width, at least one width per request (its rows become one tensor)."""
+    if len(rows) > max_rows:
+        raise error(422, f"rows: {len(rows)} rows; at most {max_rows} per request (max_batch_rows)")
+    expected = entry["inputs"]["num_features"]
+    if expected is None:
+        if not rows[0]:
+            raise error(422, "rows.0: 0 features; at least 1")
+        for i, row in enumerate(rows):
+            if len(row) != len(rows[0]):
+                raise error(422, f"rows.{i}: {len(row)} features; rows.0 has {len(rows[0])} (every row of "
+                                 "a request needs the same count)")
+        return
+    for i, row in enumerate(rows):
+        if len(row) != expected:
+            raise error(422, f"rows.{i}: {len(row)} features; model {entry['id']!r} expects {expected}")
+
+
 class _ConcurrentBatchesWarning(logging.Filter):
     """Drops Serve's warning that max_batch_size x max_concurrent_batches exceeds
     max_ongoing_requests (so not every batch can be full at once): by design here, the
@@ -172,17 +191,6 @@ class ModelServer:
                              f"{_ROUTE[entry['endpoint']]}", param="model")
         return entry
 
-    def _check_rows(self, entry: dict, rows: list[list[float]]) -> None:
-        if len(rows) > self.options.max_batch_rows:
-            raise error(422, f"rows: {len(rows)} rows; at most {self.options.max_batch_rows} "
-                             "per request (max_batch_rows)")
-        expected = entry["inputs"]["num_features"]
-        if expected is None:  # a user model whose input width its family cannot tell
-            return
-        for i, row in enumerate(rows):
-            if len(row) != expected:
-                raise error(422, f"rows.{i}: {len(row)} features; model {entry['id']!r} expects {expected}")
-
     def _job(self, body: GenerateRequest) -> GenerationJob:
         prompt = body.prompt.encode("utf-8")  # the schema refuses lone surrogates
         if len(prompt) > self.options.max_prompt_bytes:
@@ -242,8 +250,10 @@ class ModelServer:
     async def predict(self, body: PredictRequest) -> PredictResponse:
         """Predictions for feature rows (tabular models): class and class probabilities, or a value."""
         entry = self._resolve(body.model, "predict")
-        self._check_rows(entry, body.rows)
+        _check_rows(entry, body.rows, max_rows=self.options.max_batch_rows)
         out = await self._submit(self._predict_batch, "predict", (entry["id"], body.rows))
+        if out.error is not None:  # the model failed on this request's rows (and only on them)
+            raise out.error
         if out.predictions is None:
             raise error(422, "rows: the model's output is not finite for these rows (inputs too large "
                              "for it?); nothing was predicted")

@@ -69,7 +69,7 @@ def _options(args: argparse.Namespace) -> ServeOptions:
 
 
 def _port(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:  # isdigit alone: '²', '٣' pass
         raise ConfigError("--port", text, "an integer in 1..65535")
     return int(text)
 

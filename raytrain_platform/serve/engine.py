@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from raytrain_platform.serve.decode import KVCacheBatch, RecomputeBatch
+from raytrain_platform.serve.inference import tempered
 from raytrain_platform.serve.text import TextStream, Tokenizer
 
 __all__ = ["Completion", "GenerationEngine", "SamplingParams", "sample_next"]
@@ -72,7 +73,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     from `generator` placed in the cumulative distribution (after top_p filtering)."""
     if params.temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    probs = torch.softmax(tempered(logits, params.temperature), dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more likely tokens
@@ -166,7 +167,7 @@ class GenerationEngine:
             self.largest_batch = max(self.largest_batch, len(self.running))
             self._on_step(len(self.running))
             keep = [i for i, (request, token) in enumerate(zip(self.running, tokens))
-                    if not self._deliver(request, token)]
+                    if not self._deliver_or_fail(request, token)]
             if len(keep) < len(self.running):
                 self.running = [self.running[i] for i in keep]
                 self.batch.select(keep)
@@ -184,6 +185,15 @@ class GenerationEngine:
         tokens = [sample_next(logits[i], r.params, r.generator) for i, r in enumerate(requests)]
         self.batch.advance(tokens)
         return tokens
+
+    def _deliver_or_fail(self, request: _Request, token: int) -> bool:
+        """`_deliver`, but its error (a token the tokenizer cannot decode) ends this
+        request only: the loop, and every other request in it, goes on."""
+        try:
+            return self._deliver(request, token)
+        except Exception as exc:
+            request.deltas.put_nowait(exc)
+            return True
 
     def _deliver(self, request: _Request, token: int) -> bool:
         """Hand `token`'s text to the request; True when the request is done."""

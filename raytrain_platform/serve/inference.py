@@ -19,13 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Prediction", "predict", "GenerationJob", "generate"]
+__all__ = ["Prediction", "predict", "GenerationJob", "generate", "tempered"]
 
 
 @dataclass(frozen=True)
 class Prediction:
     predictions: list | None  # class index per row (classification) or value (regression); None: not finite
     probabilities: list[list[float]] | None  # per row, per class (classification only)
+    error: Exception | None = None  # the forward of this request's width failed (a user model's unknown width)
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -34,22 +35,43 @@ def _device(model: nn.Module) -> torch.device:
 
 @torch.inference_mode()
 def predict(model: nn.Module, requests: list[list[list[float]]], *, classification: bool) -> list[Prediction]:
-    """One forward over the rows of every request (a dynamic batch), split back per request."""
-    sizes = [len(rows) for rows in requests]
-    x = torch.tensor([row for rows in requests for row in rows], dtype=torch.float32,
-                     device=_device(model))  # (sum of rows, F)
-    out = model(x).float().cpu()
-    results = []
-    for part in torch.split(out, sizes):
-        if not bool(torch.isfinite(part).all()):  # inputs the model overflows on: this request only
-            results.append(Prediction(None, None))
+    """One forward over the rows of every request (a dynamic batch) of each row width,
+    split back per request. Widths differ only for a model whose width is unknown (each
+    request's rows are checked to share one): a width it refuses fails its requests only."""
+    by_width: dict[int, list[int]] = defaultdict(list)
+    for i, rows in enumerate(requests):
+        by_width[len(rows[0])].append(i)
+    results: list[Prediction] = [Prediction(None, None)] * len(requests)
+    for members in by_width.values():
+        try:
+            x = torch.tensor([row for i in members for row in requests[i]], dtype=torch.float32,
+                             device=_device(model))  # (sum of rows, F)
+            out = model(x).float().cpu()
+        except Exception as exc:
+            for i in members:
+                results[i] = Prediction(None, None, error=exc)
             continue
-        if classification:
-            probs = torch.softmax(part, dim=-1)
-            results.append(Prediction(probs.argmax(-1).tolist(), probs.tolist()))
-        else:
-            results.append(Prediction(part.tolist(), None))
+        for i, part in zip(members, torch.split(out, [len(requests[i]) for i in members])):
+            results[i] = _prediction(part, classification)
     return results
+
+
+def _prediction(part: torch.Tensor, classification: bool) -> Prediction:
+    if not bool(torch.isfinite(part).all()):  # inputs the model overflows on: this request only
+        return Prediction(None, None)
+    if classification:
+        probs = torch.softmax(part, dim=-1)
+        return Prediction(probs.argmax(-1).tolist(), probs.tolist())
+    return Prediction(part.tolist(), None)
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Float32 logits / `temperature` (> 0), each row shifted to a max of 0 first, in
+    float64: a tiny temperature then sends the max to 0 and the rest to -inf (softmax:
+    the argmax) instead of overflowing to inf (softmax: NaN). The shift leaves softmax
+    as it was; float64, because float32 rounds a temperature under 1e-45 to 0 (0 / 0)."""
+    shifted = logits.double() - logits.max(dim=-1, keepdim=True).values.double()
+    return (shifted / temperature).float()
 
 
 @dataclass(frozen=True)
@@ -66,7 +88,7 @@ def _sample(logits: torch.Tensor, job: GenerationJob, generator: torch.Generator
     with the request's own generator (so its draws do not depend on the batch)."""
     if job.temperature == 0:
         return int(logits.argmax())
-    logits = logits / job.temperature
+    logits = tempered(logits, job.temperature)
     if job.top_k is not None and job.top_k < logits.numel():
         kth = torch.topk(logits, job.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from raytrain_platform.errors import describe_error
 from raytrain_platform.serve.engine import Completion, GenerationEngine, SamplingParams
 from raytrain_platform.serve.http import error, error_body
 from raytrain_platform.serve.openai_schemas import ChatRequest, CompletionRequest
@@ -53,17 +54,20 @@ def prepare(body: CompletionRequest | ChatRequest, entry: dict, tokenizer: Token
     asked = body.max_tokens if isinstance(body, CompletionRequest) else body.token_limit()
     # The client's own limit (None when it set none): a limit it did not set is not refused.
     explicit = asked if {"max_tokens", "max_completion_tokens"} & body.model_fields_set else None
+    # Errors name the field the limit came from (chat's newer name wins, as in token_limit).
+    newer = isinstance(body, ChatRequest) and body.max_completion_tokens is not None
+    limit_field = "max_completion_tokens" if newer else "max_tokens"
     if explicit is not None and explicit > max_new_tokens:
-        raise error(400, f"max_tokens: {asked}; at most {max_new_tokens} (the deployment's max_new_tokens)",
-                    param="max_tokens")
+        raise error(400, f"{limit_field}: {asked}; at most {max_new_tokens} (the deployment's max_new_tokens)",
+                    param=limit_field)
     if context and (len(ids) >= context if cached else len(ids) > context):
         raise error(400, f"{where}: {len(ids)} tokens; this model's maximum context length is {context} "
                          f"tokens{' (prompt and completion together)' if cached else ''}",
                     param=where, code="context_length_exceeded")
     room = context - len(ids) if context and cached else max_new_tokens
     if explicit is not None and explicit > room:
-        raise error(400, f"max_tokens: {asked}; this model's maximum context length is {context} tokens and "
-                         f"the {where} has {len(ids)}, so at most {room}", param="max_tokens",
+        raise error(400, f"{limit_field}: {asked}; this model's maximum context length is {context} tokens "
+                         f"and the {where} has {len(ids)}, so at most {room}", param=limit_field,
                     code="context_length_exceeded")
     limit = min(asked if asked is not None else max_new_tokens, room, max_new_tokens)
     params = SamplingParams(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
@@ -122,6 +126,6 @@ async def stream_events(body: CompletionRequest | ChatRequest, model_id: str, en
                                 "usage": usage(item.prompt_tokens, item.completion_tokens)})
             else:
                 yield _sse(_chunk(envelope, chat, item, None))
-    except Exception as exc:  # the status line is sent already: say it in the stream
-        yield _sse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
+    except Exception as exc:  # the status line is sent already: say it in the stream, in one line
+        yield _sse(error_body(500, f"internal error: {describe_error(exc)}"))
     yield _sse("[DONE]")

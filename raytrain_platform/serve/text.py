@@ -97,11 +97,10 @@ class TextStream:
         """Add a generated token; returns the newly released text (maybe '')."""
         self.ids.append(token)
         full = self.tokenizer.decode(self.ids)
-        for s in self.stop:
-            at = full.find(s, max(0, len(self.text) - len(s) + 1))
-            if at != -1:
-                self.stopped = True
-                return self._release(full[:at])
+        found = [at for s in self.stop if (at := full.find(s, max(0, len(self.text) - len(s) + 1))) != -1]
+        if found:  # the text ends before the earliest, whichever stop string it is
+            self.stopped = True
+            return self._release(full[:min(found)])
         hold = len(full) - len(full.rstrip("\ufffd"))
         for s in self.stop:  # the longest tail that could begin a stop string
             hold = max(hold, next((n for n in range(min(len(s) - 1, len(full)), 0, -1)
