@@ -243,6 +243,26 @@ def test_checkpoints_hold_the_adapters_and_the_base_identity(runs, tiny, layout)
     assert base == {"path": str(tiny["model"]), "sha256": fingerprint([str(tiny["model"] / "model.safetensors")])}
 
 
+@pytest.mark.parametrize("content", [
+    b"\x04\x00\x00",  # shorter than the 8-byte header size
+    (2).to_bytes(8, "little") + b"[]",  # JSON, not an object of tensors
+    (12).to_bytes(8, "little") + b'{"w": [1,2]}',  # a tensor entry that is not an object
+    (40).to_bytes(8, "little") + b'{"w": {"data_offsets": [8, 0]}}' + b" " * 9,  # ends before it begins
+    (1 << 62).to_bytes(8, "little") + b"{}",  # a header size no file has
+], ids=["short", "list", "entry", "offsets", "huge"])
+def test_a_corrupt_base_file_is_one_checkpoint_error_naming_it(tmp_path, content):
+    """The base's fingerprint (recorded in a LoRA checkpoint, checked on resume and
+    export) reads the safetensors header itself: a corrupt file is the same one-line
+    error as a bad header, never a struct or type error."""
+    from raytrain_platform.core.adapters import fingerprint
+    from raytrain_platform.errors import CheckpointError
+
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(content)
+    with pytest.raises(CheckpointError, match=rf"^{bad}: not a readable safetensors file \(bad header\)$"):
+        fingerprint([str(bad)])
+
+
 @pytest.mark.slow
 def test_fsdp_adapter_checkpoint_resumes_in_one_process(runs, tiny):
     runs["fsdp2"]

@@ -62,20 +62,35 @@ def param_counts(model: nn.Module) -> dict[str, int]:
             "trainable_params": sum(p.numel() for p in params if p.requires_grad)}
 
 
+_MAX_HEADER = 100 << 20  # safetensors' own limit on a header's size
+
+
+def _data_offsets(header: bytes) -> dict[str, tuple[int, int]] | None:
+    """Each tensor's (begin, end) byte offsets from a safetensors header; None for a
+    header that is not one (not JSON, not an object of tensors with two offsets)."""
+    try:
+        entries = json.loads(header)
+        offsets = {k: tuple(v["data_offsets"]) for k, v in entries.items() if k != "__metadata__"}
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return None
+    ok = all(len(o) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in o)
+             and o[0] <= o[1] for o in offsets.values())
+    return offsets if ok else None
+
+
 def fingerprint(files: list[str]) -> str:
     """sha256 over each safetensors file's name, header and sampled tensor bytes."""
     digest = hashlib.sha256()
     for file in sorted(files, key=lambda f: Path(f).name):
         with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = f.read(size)
+            head = f.read(8)
+            (size,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+            header = f.read(size) if 0 <= size <= _MAX_HEADER else b""
             digest.update(Path(file).name.encode() + header)
-            try:
-                entries = json.loads(header)
-            except ValueError:
-                raise CheckpointError(f"{file}: not a readable safetensors file (bad header)") from None
-            for key in sorted(k for k in entries if k != "__metadata__"):
-                begin, end = entries[key]["data_offsets"]
+            offsets = _data_offsets(header)
+            if offsets is None:
+                raise CheckpointError(f"{file}: not a readable safetensors file (bad header)")
+            for key, (begin, end) in sorted(offsets.items()):
                 for at in sorted({begin, max(begin, (begin + end) // 2 - _SAMPLE // 2), max(begin, end - _SAMPLE)}):
                     f.seek(8 + size + at)
                     digest.update(f.read(min(_SAMPLE, end - at)))
