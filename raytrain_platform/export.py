@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -191,38 +192,58 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     target = Path(out) if out is not None else ckpt.parent / "export"
     if out is None:  # a given --out was checked above
         _check_out(target, ckpt, flag="the default export folder")
-    target.mkdir(parents=True, exist_ok=True)
-    if format == "peft":
-        _write_peft(model, cfg, target)
-    elif format == "hf":
-        family.export_hf(model, cfg.model.kwargs, str(target), tokenizer=getattr(cfg.data, "tokenizer", None),
-                         max_shard_size=max_shard_size)
-    else:
-        state = family.export_state_dict(model.state_dict(), cfg.model.kwargs)
-        write_state(target / WEIGHTS_FILE, state, kind="export")
-        # A LoRA run's adapters are merged in: the export is a plain model of its family.
-        (target / CONFIG_FILE).write_text(cfg.replace({"model.lora": None}).to_yaml())
-    write_json(target / EXPORT_INFO_FILE, {**info, "format": format})
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.exporting-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        if format == "peft":
+            _write_peft(model, cfg, staging)
+        elif format == "hf":
+            family.export_hf(model, cfg.model.kwargs, str(staging), tokenizer=getattr(cfg.data, "tokenizer", None),
+                             max_shard_size=max_shard_size)
+        else:
+            state = family.export_state_dict(model.state_dict(), cfg.model.kwargs)
+            write_state(staging / WEIGHTS_FILE, state, kind="export")
+            # A LoRA run's adapters are merged in: the export is a plain model of its family.
+            (staging / CONFIG_FILE).write_text(cfg.replace({"model.lora": None}).to_yaml())
+        write_json(staging / EXPORT_INFO_FILE, {**info, "format": format})
+        _swap_in(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
+def _swap_in(staging: Path, target: Path) -> None:
+    """`staging`, written whole, becomes `target`; an earlier export there is replaced as
+    a whole, so none of its files (a single ``model.safetensors`` beside a new sharded
+    index, which loaders prefer) outlives it. A failed export leaves `target` as it was."""
+    old = target.parent / f".{target.name}.replaced-{os.getpid()}"
+    if target.exists():
+        target.rename(old)
+    try:
+        staging.rename(target)
+    except BaseException:
+        if old.exists():
+            old.rename(target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _check_out(target: Path, source: Path, *, flag: str) -> None:
-    """An export never writes over what it did not write: `target` must not be the
-    source, a run directory or a folder of them, a Hugging Face model folder that is not
-    an export (a base model's weights), or in a checkpoint directory (their config and
-    weights would be replaced). An earlier export there is replaced; ``RUN/export`` is
-    the default."""
+    """An export never writes over what it did not write: `target` is a new or empty
+    directory, or an earlier export (``export.json``), which is replaced as a whole;
+    never the source or a folder holding it, and never inside a checkpoint directory.
+    ``RUN/export`` is the default."""
     t = target.resolve()
     if t.exists() and not t.is_dir():
         raise ConfigError(flag, str(target), "a directory (this is a file)")
-    ours = (t / EXPORT_INFO_FILE).exists()
-    holds_run = t.is_dir() and not ours and (
-        latest_checkpoint(t) is not None or (t / CONFIG_FILE).exists() or (t / HF_CONFIG_FILE).exists()
-        or any(latest_checkpoint(d) is not None for d in t.iterdir() if d.is_dir()))
+    ours = (t / EXPORT_INFO_FILE).is_file()
+    foreign = t.is_dir() and not ours and any(t.iterdir())
     in_checkpoint = any((d / STATE_FILE).exists() for d in (t, *t.parents))
-    if t == source.resolve() or holds_run or in_checkpoint:
+    if source.resolve().is_relative_to(t) or foreign or in_checkpoint:
         raise ConfigError(flag, str(target), "a directory outside the source that holds no run, checkpoint or "
-                          "model of its own (an export there would overwrite its files)")
+                          "model of its own: a new or empty one, or an earlier export (replaced as a whole)")
 
 
 def _load_adapters(model: nn.Module, cfg: JobConfig, ckpt: Path, *, sharded: bool, merge: bool) -> nn.Module:

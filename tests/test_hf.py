@@ -289,16 +289,22 @@ def test_export_to_hugging_face_layout_loads_with_transformers_and_gives_our_log
     runs["fsdp2"]
     run_dir = runs.root / "fsdp2"
     out = tmp_path / "hf_export"
-    proc = subprocess.run([sys.executable, "-m", "raytrain_platform", "export", str(run_dir), "--format", "hf",
-                           "--out", str(out), "--max-shard-size", "200KB"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    # An earlier export of step 5 there, in one file: the sharded export replaces it as a
+    # whole (a model.safetensors left beside the new index is what loaders would read).
+    for source, size in ((run_dir / "checkpoint_000005", "5GB"), (run_dir, "200KB")):
+        proc = subprocess.run([sys.executable, "-m", "raytrain_platform", "export", str(source), "--format", "hf",
+                               "--out", str(out), "--max-shard-size", size],
+                              capture_output=True, text=True, cwd=ROOT, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-2000:]
     files = sorted(p.name for p in out.iterdir())
     for name in ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
                  "tokenizer_config.json", "export.json"):
         assert name in files, files
     assert sum(f.endswith(".safetensors") for f in files) >= 2, files  # sharded above 200 KB
+    assert "model.safetensors" not in files, files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_export"]  # no staging folder left
     exported = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    assert exported.config.use_cache  # the base's, not the training build's
     tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     ours, _, info = load_model_for_inference(run_dir)
     assert info["step"] == 10 and info["sharded_source"]
@@ -307,6 +313,38 @@ def test_export_to_hugging_face_layout_loads_with_transformers_and_gives_our_log
     start = AutoModelForCausalLM.from_pretrained(str(json.loads((out / "export.json").read_text())["model"]
                                                      ["kwargs"]["path"]), local_files_only=True)
     assert not torch.equal(exported(ids).logits, start(ids).logits)  # the trained weights, not the start
+
+
+def test_hf_export_keeps_the_base_generation_config_and_a_failed_one_changes_nothing(tmp_path, tiny, capsys):
+    """The export carries the base's generation_config.json (its end-of-turn ids and
+    sampling defaults, which serving stops at), not one derived from config.json. An
+    export that fails (here: the tokenizer is gone) is one line, exit 2, and leaves the
+    earlier export there byte for byte, with no half-written folder beside it."""
+    from conftest import train_in_process
+    from raytrain_platform.cli import main as rtp
+    from raytrain_platform.models.hf import _eos_ids
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny["model"], base)
+    generation = {**json.loads((base / "generation_config.json").read_text()),
+                  "eos_token_id": [0, 2, 7], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
+    (base / "generation_config.json").write_text(json.dumps(generation))
+    run = train_in_process(tmp_path / "runs", hf_config(tmp_path / "runs", "gen", base,
+                                                         train={**LM_TRAIN, "max_steps": 2}))
+    out = tmp_path / "exported"
+    assert rtp(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    assert json.loads((out / "generation_config.json").read_text()) == generation
+    assert _eos_ids(str(out), json.loads((out / "config.json").read_text())) == (0, 2, 7)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (base / name).unlink()
+    capsys.readouterr()
+    assert rtp(["export", str(run), "--format", "hf", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: data.tokenizer = '{base}': expected a tokenizer directory to export with "
+                          "the model (") and len(err.strip().splitlines()) == 1, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "exported", "gen.yaml", "runs"]
 
 
 @pytest.mark.slow

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytrain_platform.errors import ConfigError
+from raytrain_platform.errors import ConfigError, first_line
 from raytrain_platform.units import parse_size
 from raytrain_platform.models.family import ModelFamily, PipelineLayout, ServingSpec, check_stage_counts
 
@@ -307,15 +308,23 @@ class HFFamily(ModelFamily):
         (from `tokenizer`, default the model's own directory)."""
         from transformers import AutoTokenizer
 
+        source = tokenizer or kwargs["path"]
+        try:  # before anything is written
+            tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
+        except Exception as exc:  # missing or unreadable tokenizer files
+            raise ConfigError("data.tokenizer", source, "a tokenizer directory to export with the model "
+                              f"({first_line(exc)})") from None
+        # off for training (build); the export keeps the base's
+        model.config.use_cache = self._config(kwargs).get("use_cache", True)  # type: ignore[union-attr]
         # a transformers model; nn.Module types its attributes as Tensor | Module
         # As bytes: transformers' own parser reads "5gb" as gigabits and refuses "1.5GB".
         model.save_pretrained(out, max_shard_size=parse_size("--max-shard-size", max_shard_size))  # type: ignore[operator]
-        source = tokenizer or kwargs["path"]
-        try:
-            tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
-        except Exception as exc:  # missing or unreadable tokenizer files
-            raise ConfigError("data.tokenizer", source, f"a tokenizer directory to export with the model ({exc})") from None
         tok.save_pretrained(out)
+        # The base's generation settings (its end-of-turn ids, sampling defaults), not the
+        # ones save_pretrained derives from config.json: serving stops where they say.
+        generation = Path(kwargs["path"]) / "generation_config.json"
+        if generation.is_file():
+            shutil.copyfile(generation, Path(out) / "generation_config.json")
 
     def serving(self, kwargs: dict, task: str) -> ServingSpec:
         """Text generation with a KV cache, the directory's tokenizer (and chat template),
