@@ -7,6 +7,7 @@ process, is copied and damaged per case."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -88,17 +89,24 @@ def test_an_export_never_writes_over_the_run_it_reads(run, copy, tmp_path, capsy
     hf_model = tmp_path / "base_model"  # a Hugging Face folder that is not an export: a base's weights
     hf_model.mkdir()
     (hf_model / "config.json").write_text("{}")
+    weights = tmp_path / "weights"  # any files an export did not write: replaced as a whole otherwise
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"precious")
     for source, out in [(copy, ckpt), (ckpt, ckpt), (copy, ckpt / "sub"), (ckpt, copy), (copy, run),
-                        (copy, copy.parent), (copy, hf_model)]:
+                        (copy, copy.parent), (copy, hf_model), (copy, weights)]:
         _one_line_exit_2(["export", str(source), "--out", str(out)], capsys,
                          "expected a directory outside the source that holds no run, checkpoint or model")
     assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
     assert latest_checkpoint(copy) == ckpt
     (tmp_path / "a_file").write_text("x")
     _one_line_exit_2(["export", str(copy), "--out", str(tmp_path / "a_file")], capsys, "a directory (this is a file)")
-    # The default (RUN/export) and a re-export over an earlier export are fine.
+    assert (weights / "model.safetensors").read_bytes() == b"precious"
+    # The default (RUN/export), a re-export over an earlier export, and an empty folder are fine.
     assert rtp(["export", str(copy)]) == 0 and rtp(["export", str(copy), "--out", str(copy / "export")]) == 0
     assert (copy / "export" / "model.safetensors").is_file()
+    (tmp_path / "empty").mkdir()
+    assert rtp(["export", str(copy), "--out", str(tmp_path / "empty")]) == 0
+    assert (tmp_path / "empty" / "export.json").is_file()
 
 
 def test_a_bad_shard_size_is_refused_before_anything_is_written(run, tmp_path, capsys):
@@ -128,6 +136,8 @@ def test_a_config_file_that_is_not_utf8_or_has_odd_keys(tmp_path, capsys):
     ({"model": {"name": "mlp", "kwargs": {"dropout": None}}}, "model.kwargs.dropout", "a number in [0, 1)"),
     ({"model": {"name": "mlp", "lora": {"alpha": float("nan")}}}, "model.lora.alpha", "a finite number > 0"),
     ({"scaling": {"memory_budget": "1e400GB"}}, "scaling.memory_budget", "a size like 80GiB"),
+    # read for parquet only: a jsonl run ignored it and held out val_fraction instead
+    ({"data": {"source": "synthetic", "val_path": "val/"}}, "data.val_path", "null for data.source synthetic"),
 ])
 def test_values_the_run_would_fail_on_later_are_refused_up_front(tmp_path, patch, field, needle):
     cfg = mlp_config(tmp_path, "c", **patch)
@@ -247,6 +257,55 @@ def test_nan_regression_labels_are_named_where_they_are(tmp_path):
     features = sources.describe(spec).feature_columns
     with pytest.raises(DataError, match=r"part-0.parquet: row group 0 has NaN or infinite labels \('label'\)"):
         list(sources.iter_source(spec, "train", features))
+
+
+def _parquet_with_a_null(folder: Path, column: str, *, statistics: bool = True) -> Path:
+    """16 rows of classification data whose `column` is null in row 5."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    cols = {"f0": [0.5] * 16, "f1": [1.5] * 16, "label": [0, 1] * 8}
+    cols[column] = [None if i == 5 else v for i, v in enumerate(cols[column])]
+    pq.write_table(pa.table(cols), folder / "part-0.parquet", write_statistics=statistics)
+    return folder / "part-0.parquet"
+
+
+@pytest.mark.parametrize("field,column", [("path", "label"), ("path", "f1"), ("val_path", "label"),
+                                          ("val_path", "f0")])
+def test_a_null_label_or_feature_is_named_before_ray(tmp_path, capsys, field, column):
+    """A null class index became INT64_MIN and training failed in cross_entropy with an
+    IndexError naming no file; data.val_path's labels were not checked at all."""
+    cfg = _tabular(tmp_path, _parquet(tmp_path / "ok", [0, 1] * 8), "classification")
+    bad = _parquet_with_a_null(tmp_path / "bad", column)
+    cfg["data"][field] = str(bad.parent)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    _one_line_exit_2(["validate", str(tmp_path / "c.yaml")], capsys,
+                     f"data.{field}: {bad}: row group 0: column {column!r} has 1 null value(s)")
+
+
+def test_a_null_label_in_a_file_without_statistics_is_named_as_it_is_read(tmp_path):
+    """Row-group statistics are optional: the read names the file, row group and column."""
+    from raytrain_platform.data import sources
+
+    bad = _parquet_with_a_null(tmp_path / "bad", "label", statistics=False)
+    spec = sources.SourceSpec.from_config(load_config(_tabular(tmp_path, bad.parent, "classification")))
+    with pytest.raises(DataError, match="^" + re.escape(f"{bad}: row group 0: column 'label' has 1 null value(s)")):
+        list(sources.iter_source(spec, "train", ("f0", "f1")))
+
+
+def test_val_path_class_indices_are_checked_too(tmp_path, capsys):
+    """Only data.path's labels were read: a negative index in data.val_path failed the
+    first evaluation, and a larger one got no output of the model."""
+    from raytrain_platform.data import sources
+
+    cfg = _tabular(tmp_path, _parquet(tmp_path / "ok", [0, 1] * 8), "classification")
+    cfg["data"]["val_path"] = str(_parquet(tmp_path / "wide", [0, 1, 6] + [1] * 13))
+    assert sources.describe(sources.SourceSpec.from_config(load_config(cfg))).num_classes == 7
+    cfg["data"]["val_path"] = str(_parquet(tmp_path / "negative", [0, -1] + [1] * 14))
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    _one_line_exit_2(["validate", str(tmp_path / "c.yaml")], capsys,
+                     f"class indices must be >= 0 (found -1 in {tmp_path / 'negative' / 'part-0.parquet'})")
 
 
 def test_synthetic_data_is_bounded(tmp_path):

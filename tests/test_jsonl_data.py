@@ -317,6 +317,19 @@ def test_folder_sorted_recursive_and_file_uri(tiny, tok, tmp_path):
     assert np.array_equal(via_uri["tokens"], batches[1]["tokens"])
 
 
+def test_a_folder_uri_keeps_its_query_after_each_file_path(tiny, tmp_path):
+    """``s3://bucket/dir?endpoint_override=...`` became ``...?endpoint_override=.../a.jsonl``
+    for each file. pyarrow takes (and ignores) a query on a ``file://`` URI."""
+    rows = records(tiny["text"])
+    write(tmp_path / "a.jsonl", [json.dumps(r) for r in rows[:100]])
+    write(tmp_path / "sub" / "b.jsonl", [json.dumps(r) for r in rows[100:]])
+    spec = spec_for(tiny, "text", path=tmp_path.as_uri() + "/?unused=1")
+    files = jsonl_files(spec)
+    assert files == [(tmp_path / n).as_uri() + "?unused=1" for n in ("a.jsonl", "sub/b.jsonl")]
+    local = jsonl_windows(1, str(tmp_path / "sub" / "b.jsonl"), spec, "train")
+    assert np.array_equal(jsonl_windows(1, files[1], spec, "train")["tokens"], local["tokens"])
+
+
 def test_missing_or_empty_paths(tiny, tmp_path):
     with pytest.raises(DataError, match="no such file or folder") as exc:
         jsonl_files(spec_for(tiny, "text", path=str(tmp_path / "nope")))
@@ -895,6 +908,24 @@ def test_bad_records_name_file_and_line(tiny, tmp_path, fmt, lines, line_no, mat
         with pytest.raises(DataError, match=match) as exc:
             jsonl_windows(0, path, spec, split)
         assert one_line(exc).startswith(f"{path}:{line_no}: ")
+
+
+@pytest.mark.parametrize("fmt,line,field", [
+    ("text", r'{"text": "bad \ud800 x"}', "field 'text'"),
+    ("prompt_completion", r'{"prompt": "q", "completion": "bad \udc00"}', "field 'completion'"),
+    ("chat", r'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a \ud800"}]}',
+     "'messages' message 1 'content'"),
+], ids=["text", "prompt_completion", "chat"])
+def test_a_lone_surrogate_is_named_by_its_line_in_the_count_and_the_reads(tiny, tmp_path, fmt, line, field):
+    """Valid JSON, but the tokenizer raised `TypeError: TextEncodeInput must be ...`,
+    naming no file or line."""
+    path = write(tmp_path / "bad.jsonl", [json.dumps(records(tiny[fmt])[0]), line])
+    spec = spec_for(tiny, fmt, path=path)
+    for read in (lambda: count_windows(spec), lambda: jsonl_windows(0, path, spec, "train"),
+                 lambda: jsonl_windows(0, path, spec, "val")):
+        with pytest.raises(DataError) as exc:
+            read()
+        assert one_line(exc).startswith(f"{path}:2: {field}: a lone surrogate "), one_line(exc)
 
 
 def test_tokenizer_errors(tiny, tmp_path):

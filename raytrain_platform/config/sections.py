@@ -140,6 +140,9 @@ class DataConfig:
                "data.tokenize_processes", self.tokenize_processes, self._ALLOWED["tokenize_processes"])
         _check(self.source != "parquet" or bool(self.path), "data.path", self.path,
                "a folder or URI of Parquet files when data.source is parquet")
+        _check(self.val_path is None or self.source == "parquet", "data.val_path", self.val_path,
+               f"null for data.source {self.source} (a separate validation path is read for parquet; "
+               "the other sources hold out data.val_fraction)")
         _check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction,
                "a number in [0, 1)")
         _check(1 <= self.num_samples <= MAX_SYNTHETIC, "data.num_samples", self.num_samples,

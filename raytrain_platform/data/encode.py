@@ -66,6 +66,25 @@ def load_tokenizer(path: str, *, need_chat_template: bool) -> Any:
 # ---------------------------------------------------------------- records
 
 
+def _check_unicode(value: Any, where: str) -> None:
+    """DataError if a string in `value` (or in its lists and objects, keys too) holds a
+    lone UTF-16 surrogate: valid JSON (``"\\ud800"``), but the tokenizer raises a
+    TypeError for it that names no file or line."""
+    stack = [value]  # not recursive: JSON may nest deeper than Python's stack
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise DataError(f"{where}: a lone surrogate {item[exc.start]!r} at character {exc.start} "
+                                "is not Unicode text (expected a string that encodes as UTF-8)") from None
+
+
 def _check_messages(messages: Any, field: str) -> None:
     shape = f"{field!r}: a non-empty list of {{\"role\": str, \"content\": str}} objects"
     if not isinstance(messages, list) or not messages:
@@ -74,6 +93,8 @@ def _check_messages(messages: Any, field: str) -> None:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)):
             raise DataError(f"expected {shape}; message {i} is {json.dumps(m)[:80]}")
+        for key, value in m.items():  # the chat template may render any of them
+            _check_unicode([key, value], f"{field!r} message {i} {key!r}")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"expected {field!r} to hold at least one message with role 'assistant'")
 
@@ -92,6 +113,7 @@ def _check_record(record: Any, spec: JsonlSpec) -> None:
         if not isinstance(record.get(name), str):
             got = "missing" if name not in record else type(record[name]).__name__
             raise DataError(f"expected a string field {name!r} (data.format {spec.format}), got {got}")
+        _check_unicode(record[name], f"field {name!r}")
 
 
 # Documents handed to the tokenizer in one call (at most; and about `ENCODE_CHARS` bytes

@@ -118,9 +118,11 @@ def jsonl_files(spec: JsonlSpec) -> list[str]:
         raise DataError(f"data.path = {spec.path!r}: the folder holds no .jsonl files")
     if "://" not in spec.path:
         return found
-    # Rebuild each file's URI from the root's: keeps host, port and bucket.
-    base, root = spec.path.rstrip("/"), root.rstrip("/")
-    return [base + f[len(root):] for f in found]
+    # Rebuild each file's URI from the root's: keeps host, port, bucket and the query
+    # (``?endpoint_override=...``), which follows the file's path.
+    base, query_mark, query = spec.path.partition("?")
+    base, root = base.rstrip("/"), root.rstrip("/")
+    return [base + f[len(root):] + query_mark + query for f in found]
 
 
 def _file_blocks(path: str, block_bytes: int) -> Iterator[tuple[int, bytes]]:

@@ -1,6 +1,7 @@
 """Parquet sources (``data.source: parquet``): one chunk per row group, each row's
-``sample_id`` its position across the sorted files; the schema and columns checked
-before Ray starts (numpy and pyarrow only: no Ray, no torch)."""
+``sample_id`` its position across the sorted files (``data.val_path``'s rows from
+`VAL_PATH_ID` on, so ids never collide across splits); the schema, columns and nulls
+checked before Ray starts (numpy and pyarrow only: no Ray, no torch)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import pyarrow.fs as pafs
 
-__all__ = ["MAX_CLASSES", "ParquetChunk", "parquet_files", "parquet_chunks", "check_parquet_columns",
-           "read_parquet_chunk", "root_for", "describe_parquet"]
+__all__ = ["MAX_CLASSES", "VAL_PATH_ID", "ParquetChunk", "parquet_files", "parquet_chunks",
+           "check_parquet_columns", "read_parquet_chunk", "split_chunks", "describe_parquet"]
 
 MAX_CLASSES = 1_000_000  # a classification label column's largest index + 1
+VAL_PATH_ID = 1 << 62  # the sample_id of data.val_path's first row
 
 
 def parquet_files(path: str, field: str = "data.path") -> tuple["pafs.FileSystem", list[str]]:
@@ -46,12 +48,14 @@ class ParquetChunk:
     num_rows: int
 
 
-def parquet_chunks(path: str, spec: SourceSpec, field: str = "data.path") -> tuple[list[ParquetChunk], "pa.Schema"]:
-    """One chunk per row group, with the global id of its first row; schemas checked."""
+def parquet_chunks(path: str, spec: SourceSpec, field: str = "data.path", *,
+                   first_id: int = 0) -> tuple[list[ParquetChunk], "pa.Schema"]:
+    """One chunk per row group, with the global id of its first row (the first file's
+    first row is `first_id`); schemas checked."""
     import pyarrow.parquet as pq
 
     fs, files = parquet_files(path, field)
-    chunks, offset, schema = [], 0, None
+    chunks, offset, schema = [], first_id, None
     for f in files:
         try:
             meta = pq.ParquetFile(f, filesystem=fs).metadata
@@ -108,9 +112,12 @@ def read_parquet_chunk(chunk: ParquetChunk, spec: SourceSpec, features: tuple[st
     fs, _ = filesystem(root)
     table = pq.ParquetFile(chunk.path, filesystem=fs).read_row_group(
         chunk.row_group, columns=[*features, spec.label_column])
+    for col in table.column_names:  # a null would become NaN, and a class index INT64_MIN
+        if table.column(col).null_count:
+            raise DataError(_nulls(f"{chunk.path}: row group {chunk.row_group}", col, table.column(col).null_count))
     ids = np.arange(chunk.first_id, chunk.first_id + chunk.num_rows, dtype=np.int64)
-    keep = split_mask(ids, spec.val_fraction, split) if spec.val_fraction else (
-        np.ones_like(ids, dtype=bool) if split == "train" else np.zeros_like(ids, dtype=bool))
+    # With data.val_path each split is every row of its own files (`split_chunks`).
+    keep = np.ones(ids.shape, dtype=bool) if spec.val_path else split_mask(ids, spec.val_fraction, split)
     x = np.stack([table.column(c).to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
                   for c in features], axis=1)
     y = table.column(spec.label_column).to_numpy(zero_copy_only=False)
@@ -123,46 +130,78 @@ def read_parquet_chunk(chunk: ParquetChunk, spec: SourceSpec, features: tuple[st
     return spec.throttle({"x": x[keep], "y": y[keep], "sample_id": ids[keep]})
 
 
-def root_for(spec: SourceSpec, split: str) -> tuple[str, SourceSpec, str]:
-    """Which path feeds `split`, and the spec to read it with (val_path has no holdout)."""
+def split_chunks(spec: SourceSpec, split: str) -> tuple[str, list[ParquetChunk]]:
+    """The path that feeds `split` and its chunks: with data.val_path, train is every
+    row of data.path and val every row of data.val_path (as `describe_parquet` counts
+    them); else both come from data.path, val_fraction held out by a hash of the id."""
     if split == "val" and spec.val_path:
-        return spec.val_path, SourceSpec(**{**spec.__dict__, "val_fraction": 0.0}), "data.val_path"
-    return spec.path or "", spec, "data.path"
+        return spec.val_path, parquet_chunks(spec.val_path, spec, "data.val_path", first_id=VAL_PATH_ID)[0]
+    return spec.path or "", parquet_chunks(spec.path or "", spec)[0]
+
+
+def _nulls(where: str, column: str, count: int) -> str:
+    return f"{where}: column {column!r} has {count} null value(s); every row needs a number"
+
+
+def _check_no_nulls(path: str, columns: tuple[str, ...], field: str) -> None:
+    """DataError where a row group's statistics count nulls in `columns` (a file written
+    without statistics is checked as its row groups are read, `read_parquet_chunk`)."""
+    import pyarrow.parquet as pq
+
+    fs, files = parquet_files(path, field)
+    for f in files:
+        meta = pq.ParquetFile(f, filesystem=fs).metadata
+        for rg in range(meta.num_row_groups):
+            group = meta.row_group(rg)
+            for j in range(group.num_columns):
+                col, stats = group.column(j), group.column(j).statistics
+                if (col.path_in_schema in columns and stats is not None and stats.has_null_count
+                        and stats.null_count):
+                    raise DataError(f"{field}: " + _nulls(f"{f}: row group {rg}", col.path_in_schema,
+                                                          stats.null_count))
 
 
 def describe_parquet(spec: SourceSpec) -> DataInfo:
     """Exact train/val sizes and columns of a Parquet source, from metadata (and the
-    label column, for the number of classes)."""
+    label column, for the number of classes: every class index of either path)."""
     chunks, schema = parquet_chunks(spec.path or "", spec)
     features = check_parquet_columns(schema, spec)
+    paths = [(spec.path or "", "data.path")]
     total = sum(c.num_rows for c in chunks)
     ids = np.arange(total, dtype=np.int64)
     if spec.val_path:
         vchunks, vschema = parquet_chunks(spec.val_path, spec, "data.val_path")
         check_parquet_columns(vschema, spec, "data.val_path")
+        paths.append((spec.val_path, "data.val_path"))
         num_train, num_val = total, sum(c.num_rows for c in vchunks)
     else:
         num_train, num_val = _count(ids, spec, "train"), _count(ids, spec, "val")
+    for path, field in paths:
+        _check_no_nulls(path, (*features, spec.label_column), field)
     classes = 0
     if spec.task == "classification":
-        classes = _max_label(chunks, spec) + 1
+        classes = max(_max_label(path, field, spec) for path, field in paths) + 1
     return DataInfo(num_train=num_train, num_val=num_val, num_features=len(features),
                     num_classes=classes, feature_columns=features)
 
 
-def _max_label(chunks: list[ParquetChunk], spec: SourceSpec) -> int:
-    """The largest class index in the training files (their label column, read whole)."""
+def _max_label(path: str, field: str, spec: SourceSpec) -> int:
+    """The largest class index in the files of `path` (their label column, read whole)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    fs, _ = filesystem(spec.path or "")
+    fs, files = parquet_files(path, field)
     best = 0
-    for path in sorted({c.path for c in chunks}):
-        col = pq.read_table(path, columns=[spec.label_column], filesystem=fs).column(0)
+    for f in files:
+        col = pq.read_table(f, columns=[spec.label_column], filesystem=fs).column(0)
+        if col.null_count:  # pc.min and pc.max skip nulls
+            raise DataError(f"{field}: " + _nulls(f, spec.label_column, col.null_count))
         lo, hi = pc.min(col).as_py(), pc.max(col).as_py()
-        if lo is None or lo < 0:
+        if lo is None:  # a file of no rows
+            continue
+        if lo < 0:
             raise DataError(f"data.label_column = {spec.label_column!r}: class indices must be "
-                            f">= 0 (found {lo} in {path})")
+                            f">= 0 (found {lo} in {f})")
         best = max(best, hi)
     if best >= MAX_CLASSES:
         raise DataError(f"data.label_column = {spec.label_column!r}: class indices below {MAX_CLASSES:,} "

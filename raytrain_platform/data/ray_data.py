@@ -154,13 +154,12 @@ def parquet_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
     block). Row order is unchanged."""
     import ray.data
 
-    root, rspec, field = parquet.root_for(spec, split)
-    chunks, _ = parquet.parquet_chunks(root, rspec, field)
+    root, chunks = parquet.split_chunks(spec, split)
     items = [{"path": c.path, "row_group": c.row_group, "first_id": c.first_id,
               "num_rows": c.num_rows} for c in chunks]
     per_read = max(1, rows_per_read // max(1, max(c.num_rows for c in chunks)))
     ds = ray.data.from_items(items, override_num_blocks=min(-(-len(items) // per_read), 64))
-    return ds.map_batches(_ParquetChunks(rspec, features, split, root), batch_size=per_read,
+    return ds.map_batches(_ParquetChunks(spec, features, split, root), batch_size=per_read,
                           batch_format="numpy")
 
 

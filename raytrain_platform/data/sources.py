@@ -6,7 +6,8 @@ both call these, so the two paths see the same samples in the same order.
 Every sample has a stable 64-bit ``sample_id``: text windows are
 ``file_index << 32 | window_index``, synthetic rows are their index, Parquet rows
 their position across the sorted files (`parquet.py`). The validation split holds out the ids
-whose hash falls under ``val_fraction``, so it never depends on world size.
+whose hash falls under ``val_fraction``, so it never depends on world size (Parquet
+with ``data.val_path``: every row of that path, ids from ``1 << 62`` on).
 
 With a tokenizer (``data.tokenizer``, or the model family's own), text and jsonl are
 *tokenized* sources (`jsonl.py`, `text_groups.py`; counted and read by piece in
@@ -42,6 +43,7 @@ __all__ = [
     "default_text_root",
     "split_mask",
     "filesystem",
+    "glob_match",
     "text_files",
     "text_windows",
     "synthetic_rows",
@@ -165,6 +167,31 @@ class DataInfo:
 # ---------------------------------------------------------------- text
 
 
+def glob_match(parts: tuple[str, ...], pattern: str) -> bool:
+    """Whether a relative path (its folder and file names) matches a ``/``-separated
+    glob: ``*``, ``?`` and ``[...]`` match within one name, ``**/`` zero or more
+    folders, and a final ``**`` everything below.
+
+    >>> [glob_match(p, "**/*.py") for p in [("a.py",), ("x", "y", "a.py"), ("a.txt",)]]
+    [True, True, False]
+    >>> [glob_match(p, "sub/*.txt") for p in [("sub", "a.txt"), ("a.txt",), ("sub", "x", "a.txt")]]
+    [True, False, False]
+    >>> [glob_match(p, "sub/**") for p in [("sub", "a"), ("sub", "x", "b"), ("other", "a"), ("sub",)]]
+    [True, True, False, False]
+    """
+    names = pattern.strip("/").split("/")
+
+    def match(i: int, j: int) -> bool:  # parts[i:] against names[j:]
+        if j == len(names):
+            return i == len(parts)
+        if names[j] == "**":
+            last = j == len(names) - 1  # a final ** is one or more names, not zero
+            return any(match(k, j + 1) for k in range(i + last, len(parts) + 1))
+        return i < len(parts) and fnmatch.fnmatch(parts[i], names[j]) and match(i + 1, j + 1)
+
+    return match(0, 0)
+
+
 def text_files(spec: SourceSpec) -> list[tuple[str, int]]:
     """(path, size) of the text files, sorted; site-packages are never part of a corpus."""
     root = Path(spec.path or default_text_root())
@@ -176,8 +203,7 @@ def text_files(spec: SourceSpec) -> list[tuple[str, int]]:
                                                                "__pycache__"))
         for name in filenames:
             full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, root)
-            if fnmatch.fnmatch(rel, spec.glob) or fnmatch.fnmatch(name, spec.glob.split("/")[-1]):
+            if glob_match(Path(os.path.relpath(full, root)).parts, spec.glob):
                 found.append(full)
     found.sort()
     if spec.max_files is not None:
@@ -358,10 +384,9 @@ def iter_source(spec: SourceSpec, split: str, features: tuple[str, ...] = ()) ->
     else:
         from raytrain_platform.data import parquet
 
-        root, rspec, field = parquet.root_for(spec, split)
-        chunks, _ = parquet.parquet_chunks(root, rspec, field)
+        root, chunks = parquet.split_chunks(spec, split)
         for chunk in chunks:
-            yield parquet.read_parquet_chunk(chunk, rspec, features, split, root)
+            yield parquet.read_parquet_chunk(chunk, spec, features, split, root)
 
 
 def head(spec: SourceSpec, split: str, rows: int,
