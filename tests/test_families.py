@@ -107,6 +107,38 @@ def test_loss_mask_counts_only_marked_targets():
     assert float(sums[1]) == 8.0  # 2 samples x 4 counted targets
 
 
+@pytest.mark.parametrize("task_name", ["lm", "classification", "regression"])
+def test_eval_sums_stay_on_the_outputs_device(task_name):
+    """The evaluation sums are all-reduced where the model ran: a count made on the CPU
+    beside a GPU's loss failed `torch.stack` at the first evaluation of a GPU mlp job.
+    The meta device stands in for a GPU here (any device but the CPU shows it)."""
+    from raytrain_platform.models.tasks import get_task
+
+    task = get_task(task_name)
+    outputs = torch.zeros(4, 8, 16, device="meta") if task_name == "lm" else torch.zeros(
+        4, 3 if task_name == "classification" else 1, device="meta")
+    targets = (torch.zeros(4, 8, dtype=torch.long, device="meta") if task_name == "lm" else
+               torch.zeros(4, dtype=torch.long, device="meta") if task_name == "classification" else
+               torch.zeros(4, 1, device="meta"))
+    sums = task.eval_sums(outputs, targets)
+    assert sums.device.type == "meta" and sums.shape == (3,)
+
+
+def test_process_group_backend_keeps_gloo_beside_nccl_for_cpu_offload():
+    """FSDP's CPU offload all-reduces host tensors (the gradient norm, the weights
+    check): NCCL has none, so gloo serves the CPU beside it. Both torch and Ray Train's
+    TorchConfig read the same string (Ray then sets up NCCL as for "nccl")."""
+    from ray.train.torch.config import _is_backend_nccl
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    from raytrain_platform.core.dist import process_group_backend
+
+    offload = process_group_backend(use_gpu=True, cpu_offload=True)
+    assert BackendConfig(offload).get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
+    assert _is_backend_nccl(offload)
+    assert (process_group_backend(use_gpu=True), process_group_backend(use_gpu=False)) == ("nccl", "gloo")
+
+
 def test_gpt_head_on_counted_tokens_gives_the_same_loss_accuracy_and_gradients():
     """gpt's output head (`lm_head`, after `ln_f`) run on the counted rows only
     (core/counted.py): the summed loss, the eval sums (loss, count, correct) and every

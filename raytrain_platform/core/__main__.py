@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(2.0)
         return 2
     torch.set_num_threads(cfg.scaling.torch_threads or max(1, math.floor(cfg.scaling.cpus_per_worker)))
-    env = init_torchrun(use_gpu=cfg.scaling.use_gpu)
+    env = init_torchrun(use_gpu=cfg.scaling.use_gpu, cpu_offload=cfg.parallel.cpu_offload)
     run_dir = Path(cfg.run.run_dir)
     tracked = TrackedRun()  # run.tracking: mlflow; rank 0 opens it (its trackers read the run id)
     if env.is_rank0:

@@ -42,10 +42,24 @@ class DistEnv:
         return cls(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
-def init_torchrun(*, use_gpu: bool) -> DistEnv:
+def process_group_backend(*, use_gpu: bool, cpu_offload: bool = False) -> str:
+    """gloo on CPUs; NCCL on GPUs, with gloo beside it under FSDP's CPU offload
+    (torchtitan's choice): the offloaded parameters and gradients live in host memory,
+    and the gradient norm and the weights check all-reduce CPU tensors there, which NCCL
+    cannot ("No backend type associated with device type cpu", pytorch/pytorch#148532).
+
+    >>> process_group_backend(use_gpu=True, cpu_offload=True)
+    'cpu:gloo,cuda:nccl'
+    """
+    if not use_gpu:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
+
+
+def init_torchrun(*, use_gpu: bool, cpu_offload: bool = False) -> DistEnv:
     """Initialise the default process group from torchrun's environment variables."""
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_gpu else "gloo",
+        dist.init_process_group(process_group_backend(use_gpu=use_gpu, cpu_offload=cpu_offload),
                                 timeout=datetime.timedelta(minutes=10))
     return DistEnv.current(use_gpu=use_gpu)
 

@@ -212,6 +212,7 @@ def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequen
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raytrain_platform.core.dist import process_group_backend
     from raytrain_platform.data.ray_data import build_datasets, ingest_options
     from raytrain_platform.launch.worker import train_loop_per_worker
 
@@ -243,7 +244,8 @@ def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequen
                            "profile": profile},
         scaling_config=scaling,
         run_config=run_config,
-        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        torch_config=TorchConfig(backend=process_group_backend(use_gpu=cfg.scaling.use_gpu,
+                                                               cpu_offload=cfg.parallel.cpu_offload)),
         datasets=datasets,  # type: ignore[arg-type]  # Ray annotates an invariant Dict[str, GenDataset]
         dataset_config=DataConfig(
             # TP/PP: unsplit, each rank strides over data-parallel ranks (launch/worker.py).

@@ -80,9 +80,11 @@ class Task:
         if self.name == "classification":
             loss_sum = F.cross_entropy(outputs, targets, reduction="sum")
             correct = (outputs.argmax(-1) == targets).sum()
-            return torch.stack([loss_sum, torch.tensor(float(targets.numel())), correct.float()])
+            count = torch.tensor(float(targets.numel()), device=outputs.device)  # a GPU's, as the loss
+            return torch.stack([loss_sum, count, correct.float()])
         loss_sum = F.mse_loss(outputs, targets.float(), reduction="sum")
-        return torch.stack([loss_sum, torch.tensor(float(targets.numel())), torch.tensor(0.0)])
+        count, zero = (torch.tensor(v, device=outputs.device) for v in (float(targets.numel()), 0.0))
+        return torch.stack([loss_sum, count, zero])
 
     def eval_metrics(self, sums: torch.Tensor) -> dict[str, float]:
         loss_sum, count, correct = (float(v) for v in sums)
