@@ -193,7 +193,8 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     if out is None:  # a given --out was checked above
         _check_out(target, ckpt, flag="the default export folder")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.exporting-{os.getpid()}"
+    final = target.resolve()  # a symlinked folder: what it points to is replaced, the link kept
+    staging = final.parent / f".{final.name}.exporting-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
@@ -208,7 +209,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
             # A LoRA run's adapters are merged in: the export is a plain model of its family.
             (staging / CONFIG_FILE).write_text(cfg.replace({"model.lora": None}).to_yaml())
         write_json(staging / EXPORT_INFO_FILE, {**info, "format": format})
-        _swap_in(staging, target)
+        _swap_in(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -107,6 +107,10 @@ def test_an_export_never_writes_over_the_run_it_reads(run, copy, tmp_path, capsy
     (tmp_path / "empty").mkdir()
     assert rtp(["export", str(copy), "--out", str(tmp_path / "empty")]) == 0
     assert (tmp_path / "empty" / "export.json").is_file()
+    (tmp_path / "link").symlink_to(copy / "export")  # the export it points to is replaced, the link kept
+    assert rtp(["export", str(copy), "--out", str(tmp_path / "link")]) == 0
+    assert (tmp_path / "link").is_symlink() and (copy / "export" / "export.json").is_file()
+    assert not [p.name for p in (*copy.iterdir(), *tmp_path.iterdir()) if p.name.startswith(".")]
 
 
 def test_a_bad_shard_size_is_refused_before_anything_is_written(run, tmp_path, capsys):
