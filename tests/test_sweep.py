@@ -120,6 +120,62 @@ def test_sweep_file_and_cli_errors(tmp_path, capsys):
     assert "run.name = 'bad name'" in error(ok, "--set", "name=bad name")
 
 
+@pytest.mark.parametrize("setting, expected", [
+    ({"storage_path": 123}, "storage_path = 123: expected a local folder path, or null"),
+    ({"storage_path": "s3://bucket/sweeps"}, "storage_path = 's3://bucket/sweeps': expected a local"),
+    ({"seed": [1]}, "seed = [1]: expected an integer (a rerun must draw the same trials to resume)"),
+    ({"seed": None}, "seed = None: expected an integer"),  # each run would draw other trials
+    ({"seed": True}, "seed = True: expected an integer"),
+    ({"max_concurrent": True}, "max_concurrent = True: expected an integer >= 1 or null"),
+    ({"max_concurrent": 0}, "max_concurrent = 0: expected an integer >= 1 or null"),
+])
+def test_bad_sweep_settings_are_one_line_before_ray(tmp_path, capsys, monkeypatch, setting, expected):
+    import raytrain_platform.launch.trainer as trainer
+
+    def ray_starts(*args, **kwargs):
+        raise AssertionError("Ray started before the sweep file was checked")
+
+    monkeypatch.setattr(trainer, "init_ray", ray_starts)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "base": _base(tmp_path), "space": {"train.lr": [0.1]},
+                                    **setting}))
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {expected}") and len(err.splitlines()) == 1, err
+
+
+def test_a_stopped_trials_mlflow_run_is_ended_killed(tmp_path):
+    """ASHA stops a trial by killing its driver, which would have ended its MLflow run:
+    `ReleaseStopped` ends a run left RUNNING (KILLED; FAILED after an error) and leaves
+    a run its driver ended as it is."""
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    from raytrain_platform.tracking.mlflow_runs import open_mlflow_run
+    from raytrain_platform.tune.callbacks import ReleaseStopped
+
+    uri, runs = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "runs"
+
+    def trial(name: str, *, end: str | None = None) -> tuple[SimpleNamespace, str]:
+        tracked = open_mlflow_run(tracking_uri=uri, storage_path=str(tmp_path), experiment=None,
+                                  name=name, state_file=runs / name / "tracking.json", params={},
+                                  tags={})
+        if end:
+            tracked.finish(end)
+        spec = {"name": name, "config": {"run": {"storage_path": str(runs)}}}
+        return SimpleNamespace(config={"trial": spec}), tracked.run_id
+
+    stopped, finished, crashed = trial("trial_000"), trial("trial_001", end="FINISHED"), trial("trial_002")
+    callback = ReleaseStopped()
+    callback.on_trial_complete(0, [], stopped[0])
+    callback.on_trial_complete(0, [], finished[0])
+    callback.on_trial_error(0, [], crashed[0])
+    client = MlflowClient(uri)
+    assert [client.get_run(run_id).info.status for _, run_id in (stopped, finished, crashed)] == [
+        "KILLED", "FINISHED", "FAILED"]
+
+
 # ------------------------------------------------------------------ real Ray
 
 

@@ -1,7 +1,8 @@
 """Experiment tracking (`run.tracking`), read back with the real clients: MLflow's
 `MlflowClient` (search_runs, metric history, artifacts) and TensorBoard's
 `EventAccumulator`. Without Ray: config errors, an unreachable store, a store lost
-mid-run, TensorBoard on resume, the core under torchrun (rank 0 alone logs). On a real
+mid-run, TensorBoard, MLflow and the console progress on resume, refused params,
+relative stores, the core under torchrun (rank 0 alone logs). On a real
 2-CPU local Ray: a DDP run and its resumption (one MLflow run), an unreachable tracking
 server (one warning; the run succeeds), a sweep (a parent run, one child per trial)."""
 
@@ -17,7 +18,7 @@ import yaml
 from conftest import ROOT, free_port, mlp_config, torchrun_metrics
 from raytrain_platform.config import load_config
 from raytrain_platform.errors import ConfigError
-from raytrain_platform.tracking import StepTrackers, TrackingUnavailable, open_training_run
+from raytrain_platform.tracking import StepTrackers, TrackingUnavailable, open_step_trackers, open_training_run
 from raytrain_platform.tracking.steps import MlflowSink, TensorBoardSink
 
 
@@ -123,6 +124,124 @@ def test_tensorboard_resume_hides_steps_past_the_checkpoint(tmp_path):
         again.log({"step": step, "loss": 10.0 * step})
     again.close()
     assert _tensorboard(tmp_path, "loss") == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_console_progress_through_a_resume_prints_each_rerun_step(tmp_path):
+    """`rtp train`'s progress lines follow metrics.jsonl as TensorBoard does: the lines
+    an earlier attempt left past the checkpoint are never printed (the resumed worker
+    drops them), the re-run steps are, once; likewise after a worker restarted mid-run
+    rewrites the file and logs past its old length before the next read."""
+    from raytrain_platform.core.rundir import MetricsLog
+    from raytrain_platform.launch.trainer import _progress_poller
+
+    def report(step: int, loss: float) -> dict:
+        return {"step": step, "epoch": 0, "loss": loss, "samples_per_s": 1.0, "data_wait_frac": 0.0,
+                "lr": 0.1}
+
+    def shown() -> list[tuple[int, str]]:
+        out = [(int(x.split("/")[0].split()[-1]), x.split(" | ")[2]) for x in lines]
+        lines.clear()
+        return out
+
+    first = MetricsLog(tmp_path)
+    for step in range(1, 11):
+        first.append(report(step, 9.0))
+    lines: list[str] = []
+    poll = _progress_poller(tmp_path, 14, lines.append, resume_step=5)  # the driver, before any worker
+    poll()
+    assert shown() == []
+    again = MetricsLog(tmp_path, resume_step=5)
+    poll()
+    for step in range(6, 13):
+        again.append(report(step, 1.0))
+        if step in (7, 12):
+            poll()
+    assert shown() == [(s, "loss 1.0000") for s in range(6, 13)]
+    restarted = MetricsLog(tmp_path, resume_step=10)  # Ray Train restarts a failed worker group
+    for step in range(11, 15):
+        restarted.append(report(step, 0.5))
+    poll()
+    assert shown() == [(s, "loss 0.5000") for s in range(11, 15)]
+
+
+def test_relative_store_paths_are_the_drivers(tmp_path, monkeypatch):
+    """Rank 0 runs in another working directory: a relative store, plain path or file:
+    URI, is resolved against the driver's."""
+    from raytrain_platform.tracking import resolve_tracking_uri
+
+    monkeypatch.chdir(tmp_path)
+    mlruns = (tmp_path / "mlruns").as_uri()
+    assert resolve_tracking_uri("file:./mlruns", "runs") == mlruns
+    assert resolve_tracking_uri("file:mlruns", "runs") == mlruns
+    assert resolve_tracking_uri("mlruns", "runs") == str(tmp_path / "mlruns")
+    assert resolve_tracking_uri("sqlite:///m.db", "runs") == f"sqlite:///{tmp_path / 'm.db'}"
+    assert resolve_tracking_uri("file:///srv/mlruns", "runs") == "file:///srv/mlruns"
+    assert resolve_tracking_uri("http://127.0.0.1:5000", "runs") == "http://127.0.0.1:5000"
+
+
+@pytest.mark.parametrize("bad_param", ["k" * 300, "model.kwargs.a@b"])
+def test_params_the_store_refuses_leave_no_run_running(tmp_path, bad_param):
+    """A param the store refuses (a key over 250 characters, an '@') is one warning, and
+    no MLflow run stays RUNNING: a new run is deleted, a resumed one keeps the status its
+    last attempt ended with."""
+    from mlflow.entities import ViewType
+
+    from raytrain_platform.tracking.mlflow_runs import open_mlflow_run
+
+    state = tmp_path / "tracking.json"
+
+    def open_run(params: dict):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tracked = open_mlflow_run(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                      storage_path=str(tmp_path), experiment=None,
+                                      name="r", state_file=state, params=params, tags={})
+        return tracked, [str(w.message) for w in caught if issubclass(w.category, TrackingUnavailable)]
+
+    tracked, messages = open_run({"train.lr": 0.1, bad_param: 1})
+    assert not tracked.active and len(messages) == 1, messages
+    client = _client(tmp_path)
+    runs = client.search_runs([client.get_experiment_by_name("raytrain_platform").experiment_id],
+                              run_view_type=ViewType.ALL)
+    assert [r.info.lifecycle_stage for r in runs] == ["deleted"]
+    tracked, messages = open_run({"train.lr": 0.1})
+    assert tracked.active and not messages
+    tracked.finish("KILLED")
+    tracked, messages = open_run({"train.lr": 0.1, bad_param: 1})  # resumed, then refused
+    assert not tracked.active and len(messages) == 1, messages
+    assert [r.info.status for r in _runs(tmp_path)] == ["KILLED"]
+
+
+def test_mlflow_resume_tags_the_steps_logged_twice(tmp_path):
+    """MLflow cannot delete the points an attempt logged past the checkpoint a run
+    resumes from: the run is tagged with the range, each resume adding its own, and the
+    newest point of a step is the resumed attempt's."""
+    client = _client(tmp_path)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    state = tmp_path / "tracking.json"
+    state.write_text(json.dumps({"mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                            "run_id": run_id}}))
+
+    def attempt(resume_step: int, steps: range, loss: float) -> None:
+        trackers = open_step_trackers(["mlflow"], run_dir=str(tmp_path), state_file=state,
+                                      resume_step=resume_step, world_size=1)
+        for step in steps:
+            trackers.log({"step": step, "loss": loss})
+        trackers.close()
+        time.sleep(0.01)  # the next attempt's points are newer
+
+    attempt(0, range(1, 6), 9.0)
+    assert "steps_relogged_on_resume" not in client.get_run(run_id).data.tags
+    attempt(5, range(6, 7), 9.0)  # resumed at the last step logged: nothing twice
+    assert "steps_relogged_on_resume" not in client.get_run(run_id).data.tags
+    attempt(2, range(3, 5), 1.0)
+    attempt(3, range(4, 7), 0.5)
+    assert client.get_run(run_id).data.tags["steps_relogged_on_resume"] == "3-6, 4-6"
+    newest: dict[int, tuple[int, float]] = {}
+    for m in client.get_metric_history(run_id, "loss"):
+        newest[m.step] = max(newest.get(m.step, (0, 0.0)), (m.timestamp, m.value))
+    assert {s: v for s, (_, v) in sorted(newest.items())} == {
+        1: 9.0, 2: 9.0, 3: 1.0, 4: 0.5, 5: 0.5, 6: 0.5}
 
 
 def test_store_lost_mid_run_is_one_warning_on_rank0(monkeypatch):

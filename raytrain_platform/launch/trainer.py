@@ -21,7 +21,7 @@ from raytrain_platform.resolve import ResolvedJob, resolve_job
 from raytrain_platform.core.rundir import (CONFIG_FILE, SUMMARY_FILE, best_checkpoint, check_storage,
                                       latest_checkpoint, plot_run, prune_checkpoints, read_metrics,
                                       write_json)
-from raytrain_platform.core.rundir import PLOT_FILE, TRACKING_FILE
+from raytrain_platform.core.rundir import METRICS_FILE, PLOT_FILE, TRACKING_FILE
 from raytrain_platform.tracking.runs import open_training_run
 
 __all__ = ["TrainResult", "train", "run_job", "prepare", "init_ray", "cluster_hardware", "format_progress"]
@@ -255,14 +255,47 @@ def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequen
     )
 
 
-def _tail_progress(run_dir: Path, total: int, stop: threading.Event,
-                   emit: Callable[[str], None]) -> None:
-    shown = 0
-    while True:
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
+
+
+def _progress_poller(run_dir: Path, total: int, emit: Callable[[str], None],
+                     resume_step: int = 0) -> Callable[[], None]:
+    """Each call echoes metrics.jsonl's new reports. A (re)started worker rewrites the
+    file without the lines past its checkpoint (core/rundir.py `MetricsLog`, a new file)
+    and logs those steps again: what follows the lines the file still shares with the
+    last read is printed. The lines an earlier attempt left past `resume_step` are never
+    printed: they are skipped until the file is rewritten, so the poller is made before
+    any worker starts."""
+    path = run_dir / METRICS_FILE
+    stale_file = _inode(path) if resume_step else None
+    shown = [m for m in read_metrics(run_dir) if m.get("step", 0) <= resume_step]
+
+    def poll() -> None:
+        nonlocal stale_file, shown
+        inode = _inode(path)  # before the read: a read after the rewrite sees the new file
         rows = read_metrics(run_dir)
-        for m in rows[shown:]:
+        if inode == stale_file:  # not rewritten yet
+            rows = [m for m in rows if m.get("step", 0) <= resume_step]
+        else:
+            stale_file = None  # a later file may get the old inode number
+        kept = len(shown)  # appended to since the last read, the usual case
+        if len(rows) < kept or (shown and rows[kept - 1] != shown[-1]):  # rewritten
+            kept = next((i for i, (a, b) in enumerate(zip(rows, shown)) if a != b),
+                        min(len(rows), len(shown)))
+        for m in rows[kept:]:
             emit(format_progress(m, total))
-        shown = max(shown, len(rows))
+        shown = rows
+
+    return poll
+
+
+def _tail_progress(poll: Callable[[], None], stop: threading.Event) -> None:
+    while True:
+        poll()
         if stop.is_set():
             return
         stop.wait(0.5)
@@ -328,13 +361,15 @@ def run_job(job: ResolvedJob, *, emit: Callable[[str], None], callbacks: Sequenc
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
-    resumed = latest_checkpoint(run_dir)
+    resumed, resume_step = latest_checkpoint(run_dir), 0
     if resumed:
         # A LoRA checkpoint over another base (or LoRA on/off) is one line before any worker starts.
         from raytrain_platform.core.adapters import check_base, run_base
         from raytrain_platform.core.checkpoint import read_state
 
-        check_base(str(resumed), read_state(resumed).get("base"), run_base(cfg))
+        state = read_state(resumed)
+        check_base(str(resumed), state.get("base"), run_base(cfg))
+        resume_step = state["state"]["step"]
         emit(f"resuming from {resumed}")
     tracked = open_training_run(cfg, state_file=run_dir / TRACKING_FILE, sweep_trial=sweep_trial)
     if tracked.active:
@@ -343,8 +378,8 @@ def run_job(job: ResolvedJob, *, emit: Callable[[str], None], callbacks: Sequenc
         t0 = time.time()
         trainer = _build_trainer(job, resumed, callbacks, profile, emit=emit)
         stop = threading.Event()
-        tailer = threading.Thread(target=_tail_progress, args=(run_dir, job.total_steps, stop, emit),
-                                  daemon=True)
+        poll = _progress_poller(run_dir, job.total_steps, emit, resume_step)
+        tailer = threading.Thread(target=_tail_progress, args=(poll, stop), daemon=True)
         if tail:
             tailer.start()
         try:

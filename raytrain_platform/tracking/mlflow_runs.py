@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_EXPERIMENT",
     "TrackedRun",
     "TrackingUnavailable",
+    "end_if_running",
     "flatten_config",
     "git_commit",
     "mlflow_client",
@@ -70,6 +71,8 @@ def resolve_tracking_uri(tracking_uri: str | None, storage_path: str) -> str:
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         path = uri[len("sqlite:///"):]
         return "sqlite:///" + os.path.abspath(os.path.expanduser(path)) if path else uri
+    if uri.startswith("file:") and not uri.startswith("file:/"):  # file:./mlruns, file:mlruns
+        return Path(os.path.abspath(os.path.expanduser(uri[len("file:"):]))).as_uri()
     if "://" not in uri and not uri.startswith(("databricks", "file:")):
         return os.path.abspath(os.path.expanduser(uri))  # a plain path: MLflow's file store
     return uri
@@ -261,6 +264,7 @@ def open_mlflow_run(*, tracking_uri: str | None, storage_path: str, experiment: 
     """Continue the run recorded in `state_file`, else create one named `name` in
     `experiment` (child of `parent_run_id` when given); log `params` and `tags`."""
     uri = resolve_tracking_uri(tracking_uri, storage_path)
+    run_id = found = None
     try:
         _probe(uri)
         client = mlflow_client(uri)
@@ -276,10 +280,41 @@ def open_mlflow_run(*, tracking_uri: str | None, storage_path: str, experiment: 
         _log_params(client, run_id, {k: _param_value(v) for k, v in params.items()}, existing)
         _write_state(state_file, {**state, "mlflow": {"tracking_uri": uri, "run_id": run_id}})
     except Exception as exc:  # noqa: BLE001 - an unreachable store is a warning
+        if run_id is not None:  # the store refused the params (a key too long, a bad character)
+            _abandon(client, run_id, found)
         warn_unavailable("MLflow", uri, exc)
         _forget(state_file)
         return TrackedRun(uri=uri)
     return TrackedRun(client=client, run_id=run_id, uri=uri)
+
+
+def _abandon(client: Any, run_id: str, resumed: Any | None) -> None:
+    """A run that tracking gave up on is not left RUNNING: a new one (nothing logged) is
+    deleted, a resumed one gets back the status its last attempt ended with."""
+    with contextlib.suppress(Exception):  # the warning that follows says why
+        if resumed is None:
+            client.delete_run(run_id)
+        else:
+            client.update_run(run_id, status=resumed.info.status)
+
+
+def end_if_running(state_file: Path, status: str) -> bool:
+    """End the MLflow run recorded in `state_file` with `status` if it is still RUNNING:
+    a sweep trial that Tune stopped (ASHA) was killed with its driver, which would have
+    ended it. True if it was ended; a store that fails is one warning."""
+    mine = read_state(state_file).get("mlflow") or {}
+    if not mine.get("run_id") or not mine.get("tracking_uri"):
+        return False
+    try:
+        _probe(mine["tracking_uri"])
+        client = mlflow_client(mine["tracking_uri"])
+        if client.get_run(mine["run_id"]).info.status != "RUNNING":
+            return False
+        client.set_terminated(mine["run_id"], status=status)
+    except Exception as exc:  # noqa: BLE001 - tracking never fails the sweep it tracks
+        warn_unavailable("MLflow", mine["tracking_uri"], exc)
+        return False
+    return True
 
 
 def _forget(state_file: Path) -> None:

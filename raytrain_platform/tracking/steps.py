@@ -25,6 +25,9 @@ __all__ = ["StepTrackers", "open_step_trackers", "scalar_metrics"]
 TENSORBOARD_FLUSH_S = 10  # how stale a live `tensorboard --logdir` view may be
 MLFLOW_FLUSH_TIMEOUT_S = 60.0  # at the end of the run, for the reports still queued
 _METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch
+# Tag of a resumed MLflow run: the step ranges logged twice, by an attempt before a
+# resume and by the resumed one (the newest point of such a step is the current one).
+RELOGGED_TAG = "steps_relogged_on_resume"
 
 
 class StepSink(Protocol):
@@ -75,10 +78,15 @@ class TensorBoardSink:
 class MlflowSink:
     """Reports go to the MLflow run from a background thread: rank 0 never waits on the
     store (a server's round trip, SQLite's file lock), so neither do the other ranks.
-    The first failure is one warning; later reports are dropped."""
+    The first failure is one warning; later reports are dropped.
 
-    def __init__(self, uri: str, run_id: str, tags: dict[str, str]):
-        self.uri, self.run_id, self.tags = uri, run_id, tags
+    MLflow cannot delete metric points, so the steps an earlier attempt logged past the
+    checkpoint a run resumes from (`resume_step`) stay in the history beside the
+    resumed attempt's: the run is tagged with that range (`RELOGGED_TAG`), and within
+    it the newest point of a step is the current one."""
+
+    def __init__(self, uri: str, run_id: str, tags: dict[str, str], resume_step: int = 0):
+        self.uri, self.run_id, self.tags, self.resume_step = uri, run_id, tags, resume_step
         self.queue: queue.Queue = queue.Queue()
         self.failed = False
         self.thread = threading.Thread(target=self._drain, name="rtp-mlflow", daemon=True)
@@ -107,7 +115,8 @@ class MlflowSink:
             from mlflow.entities import Metric, RunTag
 
             client = mlflow_client(self.uri)
-            client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in self.tags.items()])
+            tags = {**self.tags, **_relogged_tag(client, self.run_id, self.resume_step)}
+            client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
             done = False
             while not done:
                 items, done = self._next_batch()
@@ -117,6 +126,20 @@ class MlflowSink:
         except Exception as exc:  # noqa: BLE001 - tracking never fails the run it tracks
             self.failed = True
             warn_unavailable("MLflow", self.uri, exc)
+
+
+def _relogged_tag(client: Any, run_id: str, resume_step: int) -> dict[str, str]:
+    """``{RELOGGED_TAG: "3-5"}`` when the run already holds steps past `resume_step`
+    (the highest step any metric reached), added to the ranges of earlier resumes."""
+    if resume_step <= 0:
+        return {}
+    run = client.get_run(run_id)
+    last = max((m.step for m in run.data.to_proto().metrics), default=0)
+    if last <= resume_step:
+        return {}
+    span = f"{resume_step + 1}-{last}"
+    earlier = run.data.tags.get(RELOGGED_TAG)
+    return {RELOGGED_TAG: f"{earlier}, {span}"[:5000] if earlier else span}
 
 
 class StepTrackers:
@@ -156,5 +179,5 @@ def open_step_trackers(tracking: list[str], *, run_dir: str, state_file: Path, r
     recorded = read_state(state_file).get("mlflow") or {}
     if "mlflow" in tracking and recorded.get("run_id"):
         sinks.append(MlflowSink(recorded["tracking_uri"], recorded["run_id"],
-                                {"world_size": str(world_size)}))
+                                {"world_size": str(world_size)}, resume_step))
     return StepTrackers(sinks)

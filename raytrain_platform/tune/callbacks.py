@@ -1,6 +1,7 @@
 """Tune callbacks on the sweep driver: `TrialTable`, the console progress, one compact
 line per trial event (start, each report to Tune, end) instead of Ray's own logs; and
-`ReleaseStopped`, which frees what a stopped trial's killed Train run left reserved.
+`ReleaseStopped`, which frees what a stopped trial's killed Train run left reserved
+and ends the MLflow run its killed driver left RUNNING.
 
     trial        step    val_loss  status    params
     trial_000       5      1.2911  running   lr=0.05 batch_size=8
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from ray.tune import Callback
 from ray.tune.progress_reporter import ProgressReporter
 
+from raytrain_platform.core.rundir import TRACKING_FILE
+from raytrain_platform.tracking.mlflow_runs import end_if_running
 from raytrain_platform.tune.trial import recorded_reason, release_trial, trial_error
 
 if TYPE_CHECKING:
@@ -88,17 +91,21 @@ class TrialTable(Callback):
 
 class ReleaseStopped(Callback):
     """Tune stops a trial (ASHA) by killing its actor, and with it the Train controller
-    that would have released its workers' placement group: release it here."""
+    that would have released its workers' placement group, and the trial's driver that
+    would have ended its MLflow run: release the one and end the other (KILLED; FAILED
+    for a trial whose driver died on an error) here."""
 
-    def _release(self, trial: Any) -> None:
+    def _release(self, trial: Any, status: str) -> None:
         spec = trial.config["trial"]
-        release_trial(Path(spec["config"]["run"]["storage_path"], spec["name"]))
+        run_dir = Path(spec["config"]["run"]["storage_path"], spec["name"])
+        release_trial(run_dir)
+        end_if_running(run_dir / TRACKING_FILE, status)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._release(trial)
+        self._release(trial, "KILLED")  # a trial that ran to the end ended its run FINISHED
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._release(trial)
+        self._release(trial, "FAILED")
 
 
 class NoTuneReport(ProgressReporter):

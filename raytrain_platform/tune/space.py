@@ -90,6 +90,8 @@ def expand(axes: list[Axis], *, num_samples: int, seed: int) -> list[dict[str, A
     axis varies slowest), random axes drawn with a generator seeded by `seed`."""
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise ConfigError("num_samples", num_samples, "an integer >= 1")
+    if not isinstance(seed, int) or isinstance(seed, bool):  # null: other draws at each run
+        raise ConfigError("seed", seed, "an integer (a rerun must draw the same trials to resume)")
     rng = random.Random(seed)
     grid = [a for a in axes if a.kind == "grid"]
     drawn = [a for a in axes if a.kind != "grid"]

@@ -308,6 +308,17 @@ def _summary_lines(result: SweepResult) -> list[str]:
     return lines
 
 
+def _check_settings(*, max_concurrent: Any, storage_path: Any) -> None:
+    """The sweep's own settings (`expand` checks num_samples and seed), before Ray starts."""
+    count = isinstance(max_concurrent, int) and not isinstance(max_concurrent, bool)  # not YAML's true
+    if max_concurrent is not None and (not count or max_concurrent < 1):
+        raise ConfigError("max_concurrent", max_concurrent, "an integer >= 1 or null")
+    if storage_path is not None and (not isinstance(storage_path, str) or not storage_path.strip()
+                                     or "://" in storage_path):
+        raise ConfigError("storage_path", storage_path, "a local folder path, or null (the base "
+                          "config's run.storage_path)")
+
+
 def sweep(base_config: Any, space: dict, *, metric: str = "val_loss", mode: str | None = None,
           num_samples: int = 1, scheduler: Any = None, max_concurrent: int | None = None,
           name: str | None = None, storage_path: str | None = None, seed: int = 0,
@@ -322,8 +333,7 @@ def sweep(base_config: Any, space: dict, *, metric: str = "val_loss", mode: str 
     base = load_config(base_config, overrides)
     metric, mode = _objective(metric, mode)
     axes = parse_space(space)
-    if max_concurrent is not None and (not isinstance(max_concurrent, int) or max_concurrent < 1):
-        raise ConfigError("max_concurrent", max_concurrent, "an integer >= 1 or null")
+    _check_settings(max_concurrent=max_concurrent, storage_path=storage_path)
     name = name or f"{base.run.name}-sweep"
     base.replace({"run.name": name})  # the same rule as a run name
     base_storage = os.path.abspath(os.path.expanduser(base.run.storage_path))
