@@ -180,6 +180,19 @@ def test_a_stopped_trials_mlflow_run_is_ended_killed(tmp_path):
 
 
 @pytest.mark.ray
+def test_auto_trials_are_decided_on_the_cluster_not_the_driver(ray_cluster, tmp_path):
+    """`parallel.strategy: auto` is planned against what the trial's workers will have,
+    as `rtp train` plans it: the cluster's GPUs (none here), not the driver machine's
+    (a CPU laptop driving a GPU cluster marked every GPU trial invalid)."""
+    from raytrain_platform.errors import UserError
+
+    with pytest.raises(UserError, match=r"trial_000: scaling.use_gpu = True: expected false on this cluster: "
+                                        r"it has no GPUs$"):
+        sweep(_base(tmp_path), {"train.lr": [0.05]}, overrides=["scaling.use_gpu=true", "parallel.strategy=auto"],
+              name="gpu-auto")
+
+
+@pytest.mark.ray
 def test_grid_asha_and_failing_trials(ray_cluster, tmp_path, capsys):
     """A 4-trial grid: the trials that cannot run (a model that cannot be imported:
     found before launch, as every user builder is) are recorded with their reason while

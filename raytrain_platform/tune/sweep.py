@@ -21,11 +21,12 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from raytrain_platform.config import JobConfig, RunConfig, load_config
 from raytrain_platform.errors import ConfigError, UserError
 from raytrain_platform.core.rundir import TRACKING_FILE, best_checkpoint
+from raytrain_platform.plan.auto import Hardware, has_auto
 from raytrain_platform.tracking import SWEEP_PARENT_KEY, TrackedRun, open_sweep_run, pin_tracking_uri
 from raytrain_platform.tune.results import (BEST_CONFIG_FILE, PLOT_FILE, REPORTED, RESULTS_FILE,
                                             SweepResult, pick_best, plot_sweep, write_best_config)
@@ -72,16 +73,19 @@ def _objective(metric: str, mode: str | None) -> tuple[str, str]:
 
 
 def plan_trials(base: JobConfig, axes: list[Axis], *, num_samples: int, seed: int,
-                runs_dir: str, metric: str) -> list[PlannedTrial]:
+                runs_dir: str, metric: str,
+                hardware: Callable[[JobConfig], Hardware] | None = None) -> list[PlannedTrial]:
     """Every trial's config, validated (data included) as `rtp train` would; a trial
-    that cannot run carries its one-line reason instead."""
+    that cannot run carries its one-line reason instead. A trial's `auto` fields are
+    decided on `hardware(config)` (the sweep's: the cluster's), else on this machine."""
     from raytrain_platform.launch.trainer import prepare
 
     trials = []
     for i, params in enumerate(expand(axes, num_samples=num_samples, seed=seed)):
         name = f"trial_{i:03d}"
         try:
-            job = prepare(base.replace({**params, "run.name": name, "run.storage_path": runs_dir}))
+            cfg = base.replace({**params, "run.name": name, "run.storage_path": runs_dir})
+            job = prepare(cfg, hardware=hardware(cfg) if hardware is not None and has_auto(cfg) else None)
         except UserError as exc:
             trials.append(PlannedTrial(name, params, None, 0, str(exc)))
             continue
@@ -340,11 +344,31 @@ def sweep(base_config: Any, space: dict, *, metric: str = "val_loss", mode: str 
     sweep_dir = Path(os.path.abspath(os.path.expanduser(storage_path or base_storage))) / name
     base = pin_tracking_uri(base, str(sweep_dir.parent))  # trials log beside their parent run
     trials = plan_trials(base, axes, num_samples=num_samples, seed=seed,
-                         runs_dir=str(sweep_dir / "runs"), metric=metric)
+                         runs_dir=str(sweep_dir / "runs"), metric=metric,
+                         hardware=_cluster_hardware(address, verbose))
     emit = (lambda line: print(line, flush=True)) if progress else (lambda line: None)
     return _run(trials, axes, emit=emit, sweep_dir=sweep_dir, name=name, metric=metric, mode=mode,
                 scheduler=scheduler, max_concurrent=max_concurrent, base_storage=base_storage,
                 address=address, verbose=verbose, progress=progress, tracking=base.run)
+
+
+def _cluster_hardware(address: str | None, verbose: bool) -> Callable[[JobConfig], Hardware]:
+    """What a trial's workers will have on the sweep's cluster (`cluster_hardware`, as
+    `rtp train` decides `auto`), Ray started at the first trial that asks; one answer
+    per scaling, since a GPU's memory is measured by a task on it."""
+    from raytrain_platform.launch.trainer import cluster_hardware, init_ray
+
+    known: dict[tuple, Hardware] = {}
+
+    def hardware(cfg: JobConfig) -> Hardware:
+        s = cfg.scaling
+        key = (s.use_gpu, s.num_workers, s.cpus_per_worker)
+        if key not in known:
+            init_ray(address, verbose)  # a no-op once connected
+            known[key] = cluster_hardware(cfg)
+        return known[key]
+
+    return hardware
 
 
 def _run(trials: list[PlannedTrial], axes: list[Axis], *, emit, sweep_dir: Path, name: str,
