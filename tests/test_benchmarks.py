@@ -79,6 +79,7 @@ def test_gpu_train_and_profile_smoke(tmp_path):
     assert "`rtp::micro_step`" in profile and "`aten::mm`" in profile
 
 
+@pytest.mark.extended  # the GPU benchmark's hf path on CPU, ~25 s (its gpt path runs by default)
 def test_gpu_train_hf_smoke(tmp_path):
     """The GPU benchmark's hf path on CPU: a Llama built from a config.json alone (init
     random), FSDP2 per decoder layer through the engine, 1 gloo process, eager and then
@@ -120,6 +121,7 @@ def test_hf_load_smoke(tmp_path):
         assert len(held) == 2 and all(0.4 * whole < h < 0.6 * whole for h in held), (side, held, whole)
 
 
+@pytest.mark.extended  # a 2-process count of real JSONL, ~40 s (test_jsonl_data runs the same pass by default)
 def test_count_pass_smoke(tmp_path):
     """The count pass batched in one process and on 2 worker processes,
     small files (~15 s): the benchmark itself checks that every side keeps the same

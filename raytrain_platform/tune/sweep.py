@@ -181,6 +181,23 @@ def _record_plan(sweep_dir: Path, plan: dict) -> None:
 
 
 @contextlib.contextmanager
+def _ctrl_c_interrupts():
+    """Ctrl-C stops the sweep as it stops `rtp train`: KeyboardInterrupt (exit 130, the
+    MLflow parent run KILLED), the sweep left to resume. Tune's own handler instead ends
+    its loop and returns, so the sweep would record its cut-off trials as results (ASHA's
+    `stopped`) and pick a best among them."""
+    saved = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER", None)
+        else:
+            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = saved
+
+
+@contextlib.contextmanager
 def _quiet_tune(verbose: bool):
     """Our table instead of Tune's: the legacy output engine prints nothing at verbose=0
     (the new one still prints each error), and Tune's error logs go unless `verbose`."""
@@ -405,7 +422,7 @@ def _run(trials: list[PlannedTrial], axes: list[Axis], *, emit, sweep_dir: Path,
             tracking={SWEEP_PARENT_KEY: parent.run_id} if "mlflow" in tracking.tracking else {})
         emit(f"sweep '{name}'{' (resumed)' if resumed else ''}: {len(runnable)} trial(s), up to "
              f"{concurrency} at a time; {metric} ({mode}); {sweep_dir}")
-        with _quiet_tune(verbose):
+        with _quiet_tune(verbose), _ctrl_c_interrupts():
             grid = tuner.fit()
         result = _finish(_rows(grid, trials, metric), trials, axes, sweep_dir=sweep_dir, name=name,
                          metric=metric, mode=mode, base_storage=base_storage)
