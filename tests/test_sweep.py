@@ -240,18 +240,13 @@ def _stop_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-@pytest.mark.extended  # a failure test (Ctrl-C mid-sweep, ~1.5 min): run with -m extended
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_ctrl_c_stops_rtp_sweep_with_130_and_no_result(tmp_path):
-    """Ctrl-C (SIGINT to the process group, as a terminal sends it) once the first trial
-    is done: exit 130 soon, no results or best config written from the cut-off trial
-    (Tune's own handler returned as if the sweep had finished: exit 0, the interrupted
-    trial `stopped` and eligible as the best), and the same command resumes."""
-    base = _base(tmp_path)
+def _sweep_cut_at_the_second_trial(tmp_path: Path, name: str, signum: int) -> tuple[list[str], dict, Path, int]:
+    """`rtp sweep` of 2 trials on an embedded Ray, sent `signum` (to its process group, as
+    a terminal sends Ctrl-C) once the second trial starts: the command, its environment,
+    the trials' folder and the exit code."""
     path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump({"name": "int", "base": base, "space": {"train.lr": [0.05, 0.02]}}))
-    runs = tmp_path / "int" / "runs"
+    path.write_text(yaml.safe_dump({"name": name, "base": _base(tmp_path), "space": {"train.lr": [0.05, 0.02]}}))
+    runs = tmp_path / name / "runs"
     env = {**os.environ, "RAY_ADDRESS": ""}
     cmd = [sys.executable, "-m", "raytrain_platform", "sweep", str(path)]
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(tmp_path / "first.log", "w"),
@@ -262,12 +257,23 @@ def test_ctrl_c_stops_rtp_sweep_with_130_and_no_result(tmp_path):
             assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.time() < deadline, "trial_001 never started"
             time.sleep(0.2)
-        os.killpg(first.pid, signal.SIGINT)
+        os.killpg(first.pid, signum)
         code = first.wait(timeout=120)
     finally:
         _stop_group(first)
-    log = (tmp_path / "first.log").read_text()
-    assert code == 130, log[-3000:]
+    return cmd, env, runs, code
+
+
+@pytest.mark.extended  # a failure test (Ctrl-C mid-sweep, ~1.5 min): run with -m extended
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_rtp_sweep_with_130_and_no_result(tmp_path):
+    """Ctrl-C once the first trial is done: exit 130 soon, no results or best config
+    written from the cut-off trial (Tune's own handler returned as if the sweep had
+    finished: exit 0, the interrupted trial `stopped` and eligible as the best), and the
+    same command resumes."""
+    cmd, env, runs, code = _sweep_cut_at_the_second_trial(tmp_path, "int", signal.SIGINT)
+    assert code == 130, (tmp_path / "first.log").read_text()[-3000:]
     assert not (tmp_path / "int" / "results.csv").exists() and not (tmp_path / "int" / "best_config.yaml").exists()
     second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -282,22 +288,7 @@ def test_ctrl_c_stops_rtp_sweep_with_130_and_no_result(tmp_path):
 def test_rtp_sweep_killed_and_rerun_resumes(tmp_path):
     """SIGKILL `rtp sweep` (driver, embedded Ray, trials) once its first trial is done;
     the same command again continues the sweep: the finished trial is not trained again."""
-    base = _base(tmp_path)
-    path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump({"name": "cut", "base": base, "space": {"train.lr": [0.05, 0.02]}}))
-    runs = tmp_path / "cut" / "runs"
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    cmd = [sys.executable, "-m", "raytrain_platform", "sweep", str(path)]
-    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(tmp_path / "first.log", "w"),
-                             stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + 400
-        while not (runs / "trial_001" / "config.yaml").exists():
-            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.time() < deadline, "trial_001 never started"
-            time.sleep(0.2)
-    finally:
-        _stop_group(first)
+    cmd, env, runs, _ = _sweep_cut_at_the_second_trial(tmp_path, "cut", signal.SIGKILL)
     done_before = (runs / "trial_000" / "metrics.jsonl").read_text()
     assert not (runs / "trial_001" / "summary.json").exists(), "the sweep ended before it was killed"
 

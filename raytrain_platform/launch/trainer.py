@@ -7,12 +7,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.plan.auto import Hardware, cpu_hardware, has_auto
@@ -24,7 +25,8 @@ from raytrain_platform.core.rundir import (CONFIG_FILE, SUMMARY_FILE, best_check
 from raytrain_platform.core.rundir import METRICS_FILE, PLOT_FILE, TRACKING_FILE
 from raytrain_platform.tracking.runs import open_training_run
 
-__all__ = ["TrainResult", "train", "run_job", "prepare", "init_ray", "cluster_hardware", "format_progress"]
+__all__ = ["TrainResult", "train", "run_job", "prepare", "init_ray", "cluster_hardware", "format_progress",
+           "temporary_env"]
 
 _RAY_ENV = {
     "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
@@ -144,20 +146,28 @@ def _start_embedded_ray(kwargs: dict) -> None:
     for attempt in range(2):  # the port is free when chosen; another process may take it first
         port = _free_port()
         env_vars = {**kwargs["runtime_env"]["env_vars"], "RAY_ADDRESS": f"127.0.0.1:{port}"}
-        saved = os.environ.get("RAY_GCS_SERVER_PORT")
-        os.environ["RAY_GCS_SERVER_PORT"] = str(port)  # read by Ray when it starts the GCS
         try:
-            ray.init(address="local", include_dashboard=False,
-                     **{**kwargs, "runtime_env": {**kwargs["runtime_env"], "env_vars": env_vars}})
+            with temporary_env("RAY_GCS_SERVER_PORT", str(port)):  # read by Ray when it starts the GCS
+                ray.init(address="local", include_dashboard=False,
+                         **{**kwargs, "runtime_env": {**kwargs["runtime_env"], "env_vars": env_vars}})
             return
         except Exception:
             if attempt or ray.is_initialized():
                 raise
-        finally:
-            if saved is None:
-                os.environ.pop("RAY_GCS_SERVER_PORT", None)
-            else:
-                os.environ["RAY_GCS_SERVER_PORT"] = saved
+
+
+@contextlib.contextmanager
+def temporary_env(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` inside the block, what it was (or nothing) after."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def _check_cpu_headroom(cfg: JobConfig) -> None:

@@ -186,15 +186,10 @@ def _ctrl_c_interrupts():
     MLflow parent run KILLED), the sweep left to resume. Tune's own handler instead ends
     its loop and returns, so the sweep would record its cut-off trials as results (ASHA's
     `stopped`) and pick a best among them."""
-    saved = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
-    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
-    try:
+    from raytrain_platform.launch.trainer import temporary_env
+
+    with temporary_env("TUNE_DISABLE_SIGINT_HANDLER", "1"):
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER", None)
-        else:
-            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = saved
 
 
 @contextlib.contextmanager
@@ -204,19 +199,16 @@ def _quiet_tune(verbose: bool):
     if verbose:
         yield
         return
-    saved_env = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    from raytrain_platform.launch.trainer import temporary_env
+
     tune_logger = logging.getLogger("ray.tune")
     saved_level = tune_logger.level
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     tune_logger.setLevel(logging.CRITICAL)
     try:
-        yield
+        with temporary_env("RAY_AIR_NEW_OUTPUT", "0"):
+            yield
     finally:
         tune_logger.setLevel(saved_level)
-        if saved_env is None:
-            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
-        else:
-            os.environ["RAY_AIR_NEW_OUTPUT"] = saved_env
 
 
 def _make_tuner(trials: list[PlannedTrial], *, sweep_dir: Path, metric: str, mode: str,
