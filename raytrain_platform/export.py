@@ -194,9 +194,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
         _check_out(target, ckpt, flag="the default export folder")
     target.parent.mkdir(parents=True, exist_ok=True)
     final = target.resolve()  # a symlinked folder: what it points to is replaced, the link kept
-    staging = final.parent / f".{final.name}.exporting-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    staging = _staging(final)
     try:
         if format == "peft":
             _write_peft(model, cfg, staging)
@@ -215,13 +213,36 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     return target
 
 
+def _staging(final: Path) -> Path:
+    """Where the export is written first: beside `final`, to be swapped in whole; inside
+    it where its parent takes no new folder (a folder the user may write in, under one
+    they may not)."""
+    name = f".{final.name}.exporting-{os.getpid()}"
+    try:
+        staging = final.parent / name
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    except OSError:
+        staging = final / name
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    return staging
+
+
 def _swap_in(staging: Path, target: Path) -> None:
     """`staging`, written whole, becomes `target`; an earlier export there is replaced as
     a whole, so none of its files (a single ``model.safetensors`` beside a new sharded
-    index, which loaders prefer) outlives it. A failed export leaves `target` as it was."""
+    index, which loaders prefer) outlives it. A failed export leaves `target` as it was.
+    A `target` that cannot be renamed (a mount point) or that holds `staging` gets the
+    staged files in place of its own instead."""
+    if staging.parent != target.parent:
+        return _replace_contents(staging, target)
     old = target.parent / f".{target.name}.replaced-{os.getpid()}"
-    if target.exists():
-        target.rename(old)
+    try:
+        if target.exists():
+            target.rename(old)
+    except OSError:  # EBUSY: a mounted volume
+        return _replace_contents(staging, target)
     try:
         staging.rename(target)
     except BaseException:
@@ -229,6 +250,21 @@ def _swap_in(staging: Path, target: Path) -> None:
             old.rename(target)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _replace_contents(staging: Path, target: Path) -> None:
+    """`target`'s entries (an earlier export's: `_check_out`) go, `staging`'s move in."""
+    target.mkdir(exist_ok=True)
+    for entry in target.iterdir():
+        if entry == staging:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    for entry in staging.iterdir():
+        shutil.move(str(entry), str(target / entry.name))
+    staging.rmdir()
 
 
 def _check_out(target: Path, source: Path, *, flag: str) -> None:

@@ -113,6 +113,27 @@ def test_an_export_never_writes_over_the_run_it_reads(run, copy, tmp_path, capsy
     assert not [p.name for p in (*copy.iterdir(), *tmp_path.iterdir()) if p.name.startswith(".")]
 
 
+def test_an_export_staged_inside_its_folder_replaces_the_earlier_one_in_place(tmp_path):
+    """Where `--out` cannot be swapped whole (a mounted volume; a parent the user may not
+    write in), the export is staged inside it and its files take the earlier export's
+    place: none of the earlier files is left (a model.safetensors beside a new index)."""
+    from raytrain_platform.export import _swap_in
+
+    out = tmp_path / "volume"
+    out.mkdir()
+    for name in ("model.safetensors", "export.json", "config.json"):
+        (out / name).write_text("old")
+    (out / "sub").mkdir()
+    staging = out / ".volume.exporting-1"
+    staging.mkdir()
+    for name in ("model.safetensors.index.json", "model-00001-of-00002.safetensors", "export.json"):
+        (staging / name).write_text("new")
+    _swap_in(staging, out)
+    assert sorted(p.name for p in out.iterdir()) == ["export.json", "model-00001-of-00002.safetensors",
+                                                     "model.safetensors.index.json"]
+    assert all(p.read_text() == "new" for p in out.iterdir())
+
+
 def test_a_bad_shard_size_is_refused_before_anything_is_written(run, tmp_path, capsys):
     _one_line_exit_2(["export", str(run), "--format", "hf", "--max-shard-size", "abc", "--out", str(tmp_path / "o")],
                      capsys, "--max-shard-size = 'abc': expected a size like 80GiB")

@@ -282,17 +282,6 @@ def test_a_port_that_is_not_ascii_digits_is_one_line_and_exit_2(runs, capsys):
     assert "--port = '²'" in _cli_error(capsys, str(runs / "clf"), "--port", "²")  # '²'.isdigit() is True
 
 
-def test_a_byte_level_model_with_more_than_256_ids_is_refused_at_start_up(runs):
-    """A byte-level model (no tokenizer) sampling id 256 or more would have no text for it."""
-    from raytrain_platform.serve.catalog import describe
-
-    _, _, info = load_model_for_inference(str(runs / "lm"), servable=True)
-    assert describe("lm", info)["tokenizer"] is None
-    wide = {**info, "model": {**info["model"], "kwargs": {**info["model"]["kwargs"], "vocab_size": 512}}}
-    with pytest.raises(CheckpointError, match="model 'lm': vocab_size 512 with no tokenizer; a byte-level model"):
-        describe("lm", wide)
-
-
 # ---- over HTTP --------------------------------------------------------------------------------
 
 def test_health_models_and_openapi(served, runs):

@@ -281,7 +281,7 @@ def _progress_poller(run_dir: Path, total: int, emit: Callable[[str], None],
     printed: they are skipped until the file is rewritten, so the poller is made before
     any worker starts."""
     path = run_dir / METRICS_FILE
-    stale_file = _inode(path) if resume_step else None
+    stale_file = _inode(path)  # a first attempt killed before its first checkpoint left lines too
     shown = [m for m in read_metrics(run_dir) if m.get("step", 0) <= resume_step]
 
     def poll() -> None:

@@ -45,19 +45,13 @@ def describe(model_id: str, info: dict) -> dict:
     from raytrain_platform.models.registry import get_family
 
     name, kwargs, task = info["model"]["name"], info["model"]["kwargs"], info["model"]["task"]
-    family = get_family(name)
-    spec = family.serving(kwargs, task)
+    spec = get_family(name).serving(kwargs, task)
     generate = spec.endpoint == "generate"
     # The family's context, else (a user LM) the tokens per sample it was trained on.
     context_len = spec.context_len or (info.get("seq_len") or 0 if generate else 0)
-    tokenizer = (info.get("tokenizer") or spec.tokenizer) if generate else None
-    vocab = family.vocab_size(kwargs) if generate and tokenizer is None else None
-    if vocab is not None and vocab > 256:  # ids past 255 are no byte: its text could not be decoded
-        raise CheckpointError(f"model {model_id!r}: vocab_size {vocab} with no tokenizer; a byte-level model "
-                              "(UTF-8 bytes as ids) has at most 256, more ids need their tokenizer (data.tokenizer)")
     return {"id": model_id, "model": {"name": name, "kwargs": kwargs}, "task": task,
             "endpoint": spec.endpoint, "inputs": spec.inputs, "context_len": context_len,
-            "tokenizer": tokenizer,
+            "tokenizer": (info.get("tokenizer") or spec.tokenizer) if generate else None,
             "kv_cache": spec.kv_cache, "stop_token_ids": list(spec.stop_token_ids),
             "checkpoint": info["source"], "step": info["step"], "metrics": _finite(info["metrics"]),
             "num_params": info["num_params"], "created": _created(info["source"]),

@@ -371,7 +371,7 @@ def _cluster_hardware(address: str | None, verbose: bool) -> Callable[[JobConfig
 
     def hardware(cfg: JobConfig) -> Hardware:
         s = cfg.scaling
-        key = (s.use_gpu, s.num_workers, s.cpus_per_worker)
+        key = (s.use_gpu, s.num_workers, s.cpus_per_worker, s.memory_budget)
         if key not in known:
             init_ray(address, verbose)  # a no-op once connected
             known[key] = cluster_hardware(cfg)
