@@ -278,7 +278,8 @@ print("SAVED " + json.dumps(out))
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", ["gpt", "hf"])
+# gpt's case is extended (~30 s compiling): hf's runs by default, through the same code
+@pytest.mark.parametrize("family", [pytest.param("gpt", marks=pytest.mark.extended), "hf"])
 def test_checkpointing_inside_compiled_blocks_keeps_what_eager_checkpointing_keeps(tmp_path, tiny, family):
     """Both block options: each compiled block recomputes inside its graph
     (parallel/compile.py), so autograd keeps, besides the weights, what the eager

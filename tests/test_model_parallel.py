@@ -315,6 +315,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.extended  # 4 torchrun processes compiling, ~45 s: one process shows the same by default (test_families)
 @pytest.mark.timeout(240)
 def test_both_block_options_keep_what_checkpointing_keeps_under_fsdp2_and_tp(tmp_path):
     """Compile with checkpointing on FSDP2 and TP layouts, rank 0 of 2: the bytes autograd
