@@ -4,6 +4,7 @@ Data read task (`ray_data._ParquetChunks`) is called as Ray would call it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +15,13 @@ from raytrain_platform.data.parquet import split_chunks
 from raytrain_platform.data.sources import SourceSpec
 
 
-def _parquet(folder: Path, rows: int, classes: int) -> str:
+def _parquet(folder: Path, rows: int, classes: int, name: str = "part-0.parquet", first: int = 0) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    folder.mkdir()
-    x = np.arange(rows, dtype=np.float64)
-    pq.write_table(pa.table({"f0": x, "label": np.arange(rows) % classes}), folder / "part-0.parquet",
+    folder.mkdir(exist_ok=True)
+    x = np.arange(first, first + rows, dtype=np.float64)
+    pq.write_table(pa.table({"f0": x, "label": np.arange(rows) % classes}), folder / name,
                    row_group_size=256)
     return str(folder)
 
@@ -29,8 +30,8 @@ def _ray_task_rows(spec: SourceSpec, split: str, features: tuple[str, ...]) -> d
     """The rows `ray_data.parquet_dataset`'s read tasks give, without Ray: its chunks,
     as the batches it hands each task."""
     root, chunks = split_chunks(spec, split)
-    batch = {"path": np.array([c.path for c in chunks]), "row_group": np.array([c.row_group for c in chunks]),
-             "first_id": np.array([c.first_id for c in chunks]), "num_rows": np.array([c.num_rows for c in chunks])}
+    items = [dataclasses.asdict(c) for c in chunks]  # as parquet_dataset's from_items gets them
+    batch = {k: np.array([item[k] for item in items]) for k in items[0]}
     return ray_data._ParquetChunks(spec, features, split, root)(batch)
 
 
@@ -80,3 +81,51 @@ def test_glob_matches_the_folders_of_the_pattern(tmp_path, glob, expected):
         (tmp_path / name).write_text("some text\n")
     files = sources.text_files(SourceSpec(kind="text", task="lm", val_fraction=0.0, path=str(tmp_path), glob=glob))
     assert [p for p, _ in files] == sorted(str(tmp_path / n) for n in expected)
+
+
+def _splits(spec: SourceSpec, features: tuple[str, ...]) -> dict[str, list]:
+    """Each split's samples as values (byte windows, or Parquet rows' f0), in order;
+    checked against `describe`'s counts and Ray Data's Parquet read tasks."""
+    info = sources.describe(spec)
+    out = {}
+    for split, count in (("train", info.num_train), ("val", info.num_val)):
+        batches = list(sources.iter_source(spec, split, features))
+        key = "x" if spec.kind == "parquet" else "tokens"
+        out[split] = [bytes(row) if key == "tokens" else float(row[0]) for b in batches for row in b[key]]
+        assert len(out[split]) == count, split
+        if spec.kind == "parquet":
+            np.testing.assert_array_equal(_ray_task_rows(spec, split, features)["x"][:, 0], out[split])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["text", "parquet"])
+def test_a_sample_keeps_its_split_when_files_are_added_beside_its_own(tmp_path, kind):
+    """The split hashed a sample's place across the sorted files: a file added ahead of
+    another moved that file's samples between train and validation (validation then
+    held samples an earlier run trained on). Now it hashes the file's name and the
+    sample's place in it."""
+    root = tmp_path / "data"
+    if kind == "text":
+        root.mkdir()
+        text = Path(sources.default_text_root(), "argparse.py").read_bytes()[:60_000]
+        (root / "b.txt").write_bytes(text)
+        spec = SourceSpec(kind="text", task="lm", val_fraction=0.2, seq_len=65, path=str(root), glob="**/*.txt")
+        features: tuple[str, ...] = ()
+    else:
+        _parquet(root, 1000, 3, "b.parquet", first=10_000)
+        spec = SourceSpec(kind="parquet", task="regression", val_fraction=0.2, path=str(root))
+        features = ("f0",)
+    before = _splits(spec, features)
+    assert before["val"] and before["train"]
+    if kind == "text":
+        (root / "a.txt").write_bytes(Path(sources.default_text_root(), "glob.py").read_bytes())
+        (root / "sub").mkdir()
+        (root / "sub" / "c.txt").write_bytes(Path(sources.default_text_root(), "shlex.py").read_bytes())
+    else:
+        _parquet(root, 300, 3, "a.parquet")
+        _parquet(root, 200, 3, "c.parquet", first=20_000)
+    after = _splits(spec, features)
+    for split in ("train", "val"):
+        own = set(before[split])  # b's samples (a's and c's differ from them)
+        assert [v for v in after[split] if v in own] == before[split], split
+        assert len(after[split]) > len(before[split])

@@ -23,7 +23,7 @@ from raytrain_platform.data.jsonl import (  # noqa: E402
     JsonlSpec, check_fits, encode_record, iter_windows, jsonl_files, jsonl_windows, load_tokenizer,
     stream_jsonl_windows)
 from raytrain_platform.data.pieces import count_windows  # noqa: E402
-from raytrain_platform.data.sources import split_mask  # noqa: E402
+from raytrain_platform.data.sources import split_key, split_keys, split_mask  # noqa: E402
 from raytrain_platform.errors import ConfigError, DataError, describe_error  # noqa: E402
 from raytrain_platform.tools import tiny_llm  # noqa: E402
 
@@ -53,10 +53,11 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def train_records(path: Path, file_index: int = 0, val_fraction: float = 0.2) -> list[dict]:
+def train_records(path: Path, val_fraction: float = 0.2) -> list[dict]:
+    """The file's training records (a top-level file of data.path: named by its own name)."""
     rows = records(path)
-    ids = (np.int64(file_index) << np.int64(32)) | np.arange(len(rows), dtype=np.int64)
-    return [r for r, keep in zip(rows, split_mask(ids, val_fraction, "train")) if keep]
+    keys = split_keys(split_key(str(path), str(path)), np.arange(len(rows)))
+    return [r for r, keep in zip(rows, split_mask(keys, val_fraction, "train")) if keep]
 
 
 def write(path: Path, lines: list[str]) -> str:
@@ -296,6 +297,24 @@ def test_text_mask_covers_everything(tiny, tok):
 # ---------------------------------------------------------------- files and errors
 
 
+def test_a_record_keeps_its_split_when_files_are_added_to_the_folder(tiny, tmp_path):
+    """The split hashed a record's file index: a file sorting ahead of another moved
+    that file's records between train and validation. Now it hashes the file's path
+    under data.path and the line, so b.jsonl's windows of each split stay the same
+    (their ids name the file's new index)."""
+    rows = records(tiny["chat"])
+    write(tmp_path / "d" / "b.jsonl", [json.dumps(r) for r in rows[:150]])
+    spec = spec_for(tiny, "chat", path=str(tmp_path / "d"))
+    before = {split: list(iter_windows(spec, split)) for split in ("train", "val")}
+    write(tmp_path / "d" / "a.jsonl", [json.dumps(r) for r in rows[150:200]])
+    after = {split: list(iter_windows(spec, split)) for split in ("train", "val")}
+    for split in ("train", "val"):
+        (was,), (_, now) = before[split], after[split]
+        assert was["tokens"].shape[0] > 0, split
+        np.testing.assert_array_equal(now["tokens"], was["tokens"])
+        np.testing.assert_array_equal(now["sample_id"], was["sample_id"] | (1 << 32))
+
+
 def test_folder_sorted_recursive_and_file_uri(tiny, tok, tmp_path):
     rows = records(tiny["text"])
     for name, part in (("b.jsonl", rows[100:200]), ("a.jsonl", rows[:100]),
@@ -326,7 +345,7 @@ def test_a_folder_uri_keeps_its_query_after_each_file_path(tiny, tmp_path):
     spec = spec_for(tiny, "text", path=tmp_path.as_uri() + "/?unused=1")
     files = jsonl_files(spec)
     assert files == [(tmp_path / n).as_uri() + "?unused=1" for n in ("a.jsonl", "sub/b.jsonl")]
-    local = jsonl_windows(1, str(tmp_path / "sub" / "b.jsonl"), spec, "train")
+    local = jsonl_windows(1, str(tmp_path / "sub" / "b.jsonl"), spec_for(tiny, "text", path=str(tmp_path)), "train")
     assert np.array_equal(jsonl_windows(1, files[1], spec, "train")["tokens"], local["tokens"])
 
 
@@ -489,7 +508,7 @@ def test_the_count_writes_again_only_a_split_whose_entry_is_gone(tiny, tmp_path,
 
     cache_dir, data, _, spec = own_copies(tiny, tmp_path, monkeypatch)
     counted = count_windows(spec)
-    cache, key = token_cache._TokenCache.open(spec), jsonl._file_key(0, spec)
+    cache, key = token_cache._TokenCache.open(spec), jsonl._file_key(0, str(data), spec)
     train, val = (cache._windows_entry([str(data)], key, s, SEQ_LEN)[0] for s in ("train", "val"))
     assert window_cache.remove(val)
     held = cache.windows([str(data)], key, "train", SEQ_LEN)
@@ -561,7 +580,7 @@ def test_windows_are_read_only_for_the_same_files_tokenizer_and_spec(tiny, tmp_p
     others = [spec, *(spec_for(tiny, "chat", path=str(data), tokenizer=str(tok_dir), **kw) for kw in (
         {"format": "text"}, {"text_field": "body"}, {"prompt_field": "q"}, {"completion_field": "a"},
         {"messages_field": "turns"}))]
-    assert len({cache_of._windows_entry([str(data)], jsonl._file_key(0, o), "train", SEQ_LEN)[0]
+    assert len({cache_of._windows_entry([str(data)], jsonl._file_key(0, str(data), o), "train", SEQ_LEN)[0]
                 for o in others}) == len(others)
     with data.open("a") as f:  # one more record: another size and time
         f.write(data.read_text().splitlines()[0] + "\n")
@@ -652,7 +671,7 @@ def test_one_writer_per_entry_a_whole_entry_kept_and_stale_leftovers_swept(tiny,
     cache_dir = tmp_path / "cache"
     monkeypatch.setenv("RTP_CACHE_DIR", str(cache_dir))
     cache = token_cache._TokenCache.open(spec)
-    piece, key = [jsonl_files(spec)[0]], jsonl._file_key(0, spec)
+    piece, key = [jsonl_files(spec)[0]], jsonl._file_key(0, jsonl_files(spec)[0], spec)
     first = cache.window_writer(piece, key, "train", SEQ_LEN)
     assert first is not None and cache.window_writer(piece, key, "train", SEQ_LEN) is None  # locked
     first.add(reference)
@@ -996,7 +1015,8 @@ def test_documents_tokenized_together_get_each_their_own_tokens(tiny, tok, monke
 
     spec = spec_for(tiny, fmt)
     rows = records(tiny[fmt])
-    is_val = split_mask(np.arange(len(rows), dtype=np.int64), spec.val_fraction, "val").tolist()
+    keys = split_keys(split_key(spec.path, spec.path), np.arange(len(rows)))
+    is_val = split_mask(keys, spec.val_fraction, "val").tolist()
     alone = [(v, *encode_record(tok, r, spec)) for v, r in zip(is_val, rows)]
 
     def ids(text: str) -> list[int]:  # the tokenizer called for one text
@@ -1044,7 +1064,8 @@ def test_a_conversation_the_template_cannot_render_is_named_by_its_line(tiny, tm
     spec = spec_for(tiny, "chat", path=path, tokenizer=str(tok_dir))
     monkeypatch.setattr(encode, "ENCODE_BATCH", 16)  # the 70th line is in the 5th batch
     with pytest.raises(DataError, match="chat template cannot render.*no FORBIDDEN here") as exc:
-        jsonl_windows(0, path, spec, "train" if split_mask(np.array([69]), 0.2, "train")[0] else "val")
+        in_train = split_mask(split_keys(split_key(path, path), np.array([69])), 0.2, "train")[0]
+        jsonl_windows(0, path, spec, "train" if in_train else "val")
     assert one_line(exc).startswith(f"{path}:70: ")
 
 

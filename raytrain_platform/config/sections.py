@@ -87,7 +87,7 @@ class DataConfig:
     feature_columns: Union[list[str], None] = None  # parquet: input columns (default: all but label)
     label_column: str = "label"
     val_path: Union[str, None] = None  # parquet: separate validation data (else val_fraction)
-    val_fraction: float = 0.05  # held out by a hash of the sample id
+    val_fraction: float = 0.05  # held out by a hash of each sample's file and place (data/sources.py)
     num_samples: int = 4096  # synthetic
     num_features: int = 16  # synthetic tabular
     num_classes: int = 4  # synthetic classification

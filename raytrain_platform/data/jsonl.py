@@ -19,8 +19,9 @@ Three record formats, one JSON object per line (blank lines are skipped):
   tokenizer's chat template; only the assistant turns are trained on.
 
 Each document ends with the tokenizer's EOS. Documents go to train or val by a hash
-of ``(file_index << 32) | line_index`` *before* packing, so no window mixes the two
-splits; then each file's documents are concatenated and cut into non-overlapping
+of the file's path under ``data.path`` and the line's index (`sources.split_keys`)
+*before* packing, so no window mixes the two splits, and a record keeps its split when
+other files are added to the folder; then each file's documents are concatenated and cut into non-overlapping
 windows of ``seq_len`` tokens (the tail is dropped). ``loss_mask[t]`` says whether
 token ``t`` is a training target: a trainer that predicts ``tokens[:, 1:]`` from
 ``tokens[:, :-1]`` weights its loss by ``loss_mask[:, 1:]``.
@@ -48,7 +49,7 @@ import numpy as np
 from raytrain_platform.data import pool
 # Tokenizing records is encode.py's; its public names are this module's too.
 from raytrain_platform.data.encode import _batches, _check_record, _encode, encode_record, load_tokenizer
-from raytrain_platform.data.sources import filesystem, split_mask
+from raytrain_platform.data.sources import filesystem, split_key, split_keys, split_mask
 from raytrain_platform.errors import ConfigError, DataError
 
 __all__ = [
@@ -201,15 +202,17 @@ def _documents(file_index: int, path: str, spec: JsonlSpec, splits: tuple[str, .
     """(in val, token ids, loss mask) of each record of the file in `splits`, in line
     order (with `lines`, (index of its first line, bytes of whole lines): of those lines
     only); the other records are checked, not tokenized. A record goes to val by a hash
-    of ``(file_index << 32) | line_index``, before packing, so no window mixes the splits.
+    of the file's name under ``data.path`` and its line index (`split_keys`), before
+    packing, so no window mixes the splits.
     The file is read a block at a time and tokenized `ENCODE_BATCH` records at a time;
     the first bad line is the one named, whatever the batch."""
     tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
     blocks = [lines] if lines is not None else _file_blocks(path, pool.BLOCK_BYTES)
     records = (record for first, data in blocks for record in _records(path, data, spec, first))
+    key = split_key(path, spec.path)
     for batch in _batches(records, lambda item: item[2]):
-        line_ids = (np.int64(file_index) << np.int64(32)) | np.array([i for i, _, _ in batch], dtype=np.int64)
-        is_val = split_mask(line_ids, spec.val_fraction, "val").tolist()
+        keys = split_keys(key, np.array([i for i, _, _ in batch], dtype=np.int64))
+        is_val = split_mask(keys, spec.val_fraction, "val").tolist()
         keep = [(v, i, r) for v, (i, r, _) in zip(is_val, batch) if ("val" if v else "train") in splits]
         docs = _encode(tok, [r for _, _, r in keep], spec, where=lambda k: f"{path}:{keep[k][1] + 1}: ")
         for (v, _, _), (ids, mask) in zip(keep, docs):
@@ -300,9 +303,10 @@ def iter_windows(spec: JsonlSpec, split: str) -> Iterator[dict[str, np.ndarray]]
         yield jsonl_windows(file_index, path, spec, split)
 
 
-def _file_key(file_index: int, spec: JsonlSpec) -> dict:
+def _file_key(file_index: int, path: str, spec: JsonlSpec) -> dict:
     """A .jsonl file's part of its token cache keys."""
-    return {"file_index": file_index, "format": spec.format, "val_fraction": spec.val_fraction,
+    return {"file_index": file_index, "split_key": split_key(path, spec.path), "format": spec.format,
+            "val_fraction": spec.val_fraction,
             "fields": [spec.text_field, spec.prompt_field, spec.completion_field, spec.messages_field]}
 
 

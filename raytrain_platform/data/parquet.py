@@ -1,6 +1,7 @@
 """Parquet sources (``data.source: parquet``): one chunk per row group, each row's
 ``sample_id`` its position across the sorted files (``data.val_path``'s rows from
-`VAL_PATH_ID` on, so ids never collide across splits); the schema, columns and nulls
+`VAL_PATH_ID` on, so ids never collide across splits), its split by a hash of its file's
+name and its place in the file (`sources.split_keys`); the schema, columns and nulls
 checked before Ray starts (numpy and pyarrow only: no Ray, no torch)."""
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from raytrain_platform.data.sources import DataInfo, SourceSpec, _count, filesystem, split_mask
+from raytrain_platform.data.sources import DataInfo, SourceSpec, filesystem, split_key, split_keys, split_mask
 from raytrain_platform.errors import DataError
 
 if TYPE_CHECKING:
     import pyarrow as pa
     import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
 
 __all__ = ["MAX_CLASSES", "VAL_PATH_ID", "ParquetChunk", "parquet_files", "parquet_chunks",
            "check_parquet_columns", "read_parquet_chunk", "split_chunks", "describe_parquet"]
@@ -44,18 +46,27 @@ def parquet_files(path: str, field: str = "data.path") -> tuple["pafs.FileSystem
 class ParquetChunk:
     path: str
     row_group: int
-    first_id: int
+    first_id: int  # its first row's sample_id
     num_rows: int
+    file_row: int = 0  # its first row's place in its file
+    key: int = 0  # its file's `split_key`
 
 
-def parquet_chunks(path: str, spec: SourceSpec, field: str = "data.path", *,
-                   first_id: int = 0) -> tuple[list[ParquetChunk], "pa.Schema"]:
-    """One chunk per row group, with the global id of its first row (the first file's
-    first row is `first_id`); schemas checked."""
+@dataclass(frozen=True)
+class _Footers:
+    """What a Parquet path's file footers say, each footer read once."""
+
+    chunks: list[ParquetChunk]
+    schema: "pa.Schema"
+    files: list[tuple[str, "pq.FileMetaData"]]
+    fs: "pafs.FileSystem"
+
+
+def _read_footers(path: str, field: str, first_id: int) -> _Footers:
     import pyarrow.parquet as pq
 
     fs, files = parquet_files(path, field)
-    chunks, offset, schema = [], first_id, None
+    chunks, offset, schema, metas = [], first_id, None, []
     for f in files:
         try:
             meta = pq.ParquetFile(f, filesystem=fs).metadata
@@ -67,15 +78,31 @@ def parquet_chunks(path: str, spec: SourceSpec, field: str = "data.path", *,
         elif not file_schema.equals(schema):
             raise DataError(f"{field}: {f!r} has schema {file_schema.names} but the first file has "
                             f"{schema.names}; all files must share one schema")
+        metas.append((f, meta))
+        key, file_row = split_key(f, path), 0
         for rg in range(meta.num_row_groups):
             n = meta.row_group(rg).num_rows
             if n:
-                chunks.append(ParquetChunk(f, rg, offset, n))
-                offset += n
+                chunks.append(ParquetChunk(f, rg, offset, n, file_row, key))
+                offset, file_row = offset + n, file_row + n
     if not chunks:
         raise DataError(f"{field} = {path!r}: the Parquet files hold no rows")
     assert schema is not None
-    return chunks, schema
+    return _Footers(chunks, schema, metas, fs)
+
+
+def parquet_chunks(path: str, spec: SourceSpec, field: str = "data.path", *,
+                   first_id: int = 0) -> tuple[list[ParquetChunk], "pa.Schema"]:
+    """One chunk per row group, with the global id of its first row (the first file's
+    first row is `first_id`); schemas checked."""
+    footers = _read_footers(path, field, first_id)
+    return footers.chunks, footers.schema
+
+
+def _val_rows(chunk: ParquetChunk, spec: SourceSpec) -> np.ndarray:
+    """Which of the chunk's rows are held out for validation (no `data.val_path`)."""
+    keys = split_keys(chunk.key, np.arange(chunk.file_row, chunk.file_row + chunk.num_rows))
+    return split_mask(keys, spec.val_fraction, "val")
 
 
 def check_parquet_columns(schema: "pa.Schema", spec: SourceSpec, field: str = "data.path") -> tuple[str, ...]:
@@ -117,7 +144,11 @@ def read_parquet_chunk(chunk: ParquetChunk, spec: SourceSpec, features: tuple[st
             raise DataError(_nulls(f"{chunk.path}: row group {chunk.row_group}", col, table.column(col).null_count))
     ids = np.arange(chunk.first_id, chunk.first_id + chunk.num_rows, dtype=np.int64)
     # With data.val_path each split is every row of its own files (`split_chunks`).
-    keep = np.ones(ids.shape, dtype=bool) if spec.val_path else split_mask(ids, spec.val_fraction, split)
+    if spec.val_path:
+        keep = np.ones(ids.shape, dtype=bool)
+    else:
+        val = _val_rows(chunk, spec)
+        keep = val if split == "val" else ~val
     x = np.stack([table.column(c).to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
                   for c in features], axis=1)
     y = table.column(spec.label_column).to_numpy(zero_copy_only=False)
@@ -133,7 +164,8 @@ def read_parquet_chunk(chunk: ParquetChunk, spec: SourceSpec, features: tuple[st
 def split_chunks(spec: SourceSpec, split: str) -> tuple[str, list[ParquetChunk]]:
     """The path that feeds `split` and its chunks: with data.val_path, train is every
     row of data.path and val every row of data.val_path (as `describe_parquet` counts
-    them); else both come from data.path, val_fraction held out by a hash of the id."""
+    them); else both come from data.path, val_fraction held out by a hash of each row's
+    file and place in it."""
     if split == "val" and spec.val_path:
         return spec.val_path, parquet_chunks(spec.val_path, spec, "data.val_path", first_id=VAL_PATH_ID)[0]
     return spec.path or "", parquet_chunks(spec.path or "", spec)[0]
@@ -143,14 +175,10 @@ def _nulls(where: str, column: str, count: int) -> str:
     return f"{where}: column {column!r} has {count} null value(s); every row needs a number"
 
 
-def _check_no_nulls(path: str, columns: tuple[str, ...], field: str) -> None:
+def _check_no_nulls(footers: _Footers, columns: tuple[str, ...], field: str) -> None:
     """DataError where a row group's statistics count nulls in `columns` (a file written
     without statistics is checked as its row groups are read, `read_parquet_chunk`)."""
-    import pyarrow.parquet as pq
-
-    fs, files = parquet_files(path, field)
-    for f in files:
-        meta = pq.ParquetFile(f, filesystem=fs).metadata
+    for f, meta in footers.files:
         for rg in range(meta.num_row_groups):
             group = meta.row_group(rg)
             for j in range(group.num_columns):
@@ -162,38 +190,37 @@ def _check_no_nulls(path: str, columns: tuple[str, ...], field: str) -> None:
 
 
 def describe_parquet(spec: SourceSpec) -> DataInfo:
-    """Exact train/val sizes and columns of a Parquet source, from metadata (and the
-    label column, for the number of classes: every class index of either path)."""
-    chunks, schema = parquet_chunks(spec.path or "", spec)
-    features = check_parquet_columns(schema, spec)
-    paths = [(spec.path or "", "data.path")]
-    total = sum(c.num_rows for c in chunks)
-    ids = np.arange(total, dtype=np.int64)
+    """Exact train/val sizes and columns of a Parquet source, from its footers (each read
+    once) and, for the number of classes, the label column (every class index of either
+    path)."""
+    train = _read_footers(spec.path or "", "data.path", 0)
+    features = check_parquet_columns(train.schema, spec)
+    paths = [(train, "data.path")]
     if spec.val_path:
-        vchunks, vschema = parquet_chunks(spec.val_path, spec, "data.val_path")
-        check_parquet_columns(vschema, spec, "data.val_path")
-        paths.append((spec.val_path, "data.val_path"))
-        num_train, num_val = total, sum(c.num_rows for c in vchunks)
+        val = _read_footers(spec.val_path, "data.val_path", VAL_PATH_ID)
+        check_parquet_columns(val.schema, spec, "data.val_path")
+        paths.append((val, "data.val_path"))
+        num_train, num_val = sum(c.num_rows for c in train.chunks), sum(c.num_rows for c in val.chunks)
     else:
-        num_train, num_val = _count(ids, spec, "train"), _count(ids, spec, "val")
-    for path, field in paths:
-        _check_no_nulls(path, (*features, spec.label_column), field)
+        num_val = sum(int(_val_rows(c, spec).sum()) for c in train.chunks)
+        num_train = sum(c.num_rows for c in train.chunks) - num_val
+    for footers, field in paths:
+        _check_no_nulls(footers, (*features, spec.label_column), field)
     classes = 0
     if spec.task == "classification":
-        classes = max(_max_label(path, field, spec) for path, field in paths) + 1
+        classes = max(_max_label(footers, field, spec) for footers, field in paths) + 1
     return DataInfo(num_train=num_train, num_val=num_val, num_features=len(features),
                     num_classes=classes, feature_columns=features)
 
 
-def _max_label(path: str, field: str, spec: SourceSpec) -> int:
-    """The largest class index in the files of `path` (their label column, read whole)."""
+def _max_label(footers: _Footers, field: str, spec: SourceSpec) -> int:
+    """The largest class index in the files of `footers` (their label column, read whole)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    fs, files = parquet_files(path, field)
     best = 0
-    for f in files:
-        col = pq.read_table(f, columns=[spec.label_column], filesystem=fs).column(0)
+    for f, _ in footers.files:
+        col = pq.read_table(f, columns=[spec.label_column], filesystem=footers.fs).column(0)
         if col.null_count:  # pc.min and pc.max skip nulls
             raise DataError(f"{field}: " + _nulls(f, spec.label_column, col.null_count))
         lo, hi = pc.min(col).as_py(), pc.max(col).as_py()

@@ -91,7 +91,7 @@ class _Piece:
 
     def key(self, spec: JsonlSpec) -> dict:
         """Its windows' key (its token sums': the same, or for a text group none but its files)."""
-        return text_groups._group_key(self.index, spec) if self.text else _file_key(self.index, spec)
+        return text_groups._group_key(self.index, spec) if self.text else _file_key(self.index, self.paths[0], spec)
 
     def sums_key(self, spec: JsonlSpec) -> dict:
         return {"text_group": True} if self.text else self.key(spec)

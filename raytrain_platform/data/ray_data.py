@@ -23,6 +23,7 @@ same data at every step (the equivalence tests rely on it; the torchrun reader i
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
@@ -86,11 +87,11 @@ class _ParquetChunks:
         self.spec, self.features, self.split, self.root = spec, features, split, root
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        columns = ("path", "row_group", "first_id", "num_rows", "file_row", "key")
         parts = [parquet.read_parquet_chunk(
-            parquet.ParquetChunk(str(p), int(rg), int(first), int(n)), self.spec, self.features,
-            self.split, self.root)
-            for p, rg, first, n in zip(batch["path"], batch["row_group"], batch["first_id"],
-                                       batch["num_rows"])]
+            parquet.ParquetChunk(str(p), int(rg), int(first), int(n), int(row), int(key)), self.spec,
+            self.features, self.split, self.root)
+            for p, rg, first, n, row, key in zip(*(batch[c] for c in columns))]
         return {k: np.concatenate([p[k] for p in parts]) for k in ("x", "y", "sample_id")}
 
 
@@ -155,8 +156,7 @@ def parquet_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
     import ray.data
 
     root, chunks = parquet.split_chunks(spec, split)
-    items = [{"path": c.path, "row_group": c.row_group, "first_id": c.first_id,
-              "num_rows": c.num_rows} for c in chunks]
+    items = [dataclasses.asdict(c) for c in chunks]
     per_read = max(1, rows_per_read // max(1, max(c.num_rows for c in chunks)))
     ds = ray.data.from_items(items, override_num_blocks=min(-(-len(items) // per_read), 64))
     return ds.map_batches(_ParquetChunks(spec, features, split, root), batch_size=per_read,

@@ -5,9 +5,12 @@ both call these, so the two paths see the same samples in the same order.
 
 Every sample has a stable 64-bit ``sample_id``: text windows are
 ``file_index << 32 | window_index``, synthetic rows are their index, Parquet rows
-their position across the sorted files (`parquet.py`). The validation split holds out the ids
-whose hash falls under ``val_fraction``, so it never depends on world size (Parquet
-with ``data.val_path``: every row of that path, ids from ``1 << 62`` on).
+their position across the sorted files (`parquet.py`). The validation split holds out the
+samples whose hash falls under ``val_fraction``: for synthetic rows a hash of the id; for
+a file's windows, lines or rows a hash of the file's path under ``data.path`` and the
+sample's place in that file (`split_keys`), so the split never depends on world size, and
+a sample keeps its split when files are added or removed beside its own (Parquet with
+``data.val_path``: every row of that path, ids from ``1 << 62`` on).
 
 With a tokenizer (``data.tokenizer``, or the model family's own), text and jsonl are
 *tokenized* sources (`jsonl.py`, `text_groups.py`; counted and read by piece in
@@ -20,6 +23,7 @@ bit 31). Without a tokenizer, text is bytes as above.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import os
 import sysconfig
 import time
@@ -42,6 +46,8 @@ __all__ = [
     "DataInfo",
     "default_text_root",
     "split_mask",
+    "split_key",
+    "split_keys",
     "filesystem",
     "glob_match",
     "text_files",
@@ -84,6 +90,30 @@ def split_mask(ids: np.ndarray, val_fraction: float, split: str) -> np.ndarray:
     z = z ^ (z >> np.uint64(31))
     is_val = (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < val_fraction
     return is_val if split == "val" else ~is_val
+
+
+def split_key(path: str, root: str) -> int:
+    """A 32-bit number for a file, from its path under the source's `root` (its own name
+    where `root` is the file; a URI's query is left out): what `split_keys` puts above
+    each sample's place in the file. It names the file, not its place among the others,
+    so adding, removing or renaming *other* files moves no sample between the splits.
+
+    >>> split_key("/d/a/x.jsonl", "/d") == split_key("/e/a/x.jsonl", "/e/") == split_key("s3://b/d/a/x.jsonl?r=1", "s3://b/d?r=1")
+    True
+    >>> split_key("/d/x.jsonl", "/d/x.jsonl") == split_key("/d/x.jsonl", "/d")
+    True
+    """
+    if "://" not in root:
+        path, root = os.path.abspath(path), os.path.abspath(root)
+    path, root = path.partition("?")[0], root.partition("?")[0].rstrip("/")
+    name = path[len(root) + 1:] if path.startswith(root + "/") else path.rsplit("/", 1)[-1]
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8", "surrogateescape"), digest_size=4).digest(), "big")
+
+
+def split_keys(key: int, positions: np.ndarray) -> np.ndarray:
+    """``key << 32 | position`` (uint64) for samples at `positions` of the file `key`
+    names (`split_key`): what `split_mask` hashes to deal them to train or val."""
+    return (np.uint64(key) << np.uint64(32)) | positions.astype(np.uint64)
 
 
 @dataclass(frozen=True)
@@ -222,12 +252,19 @@ def text_window_ids(file_index: int, size: int, seq_len: int) -> np.ndarray:
     return (np.int64(file_index) << np.int64(32)) | np.arange(n, dtype=np.int64)
 
 
+def _text_split(path: str, size: int, spec: SourceSpec, split: str) -> np.ndarray:
+    """Which of the file's windows belong to `split`, by the file's name and their place."""
+    n = size // spec.seq_len
+    keys = split_keys(split_key(path, spec.path or default_text_root()), np.arange(n))
+    return split_mask(keys, spec.val_fraction, split)
+
+
 def text_windows(file_index: int, path: str, spec: SourceSpec, split: str) -> dict[str, np.ndarray]:
     """One file cut into byte windows of seq_len tokens: tokens (n, seq_len) uint8."""
     raw = np.fromfile(path, dtype=np.uint8)
     n = raw.size // spec.seq_len
     ids = text_window_ids(file_index, raw.size, spec.seq_len)
-    keep = split_mask(ids, spec.val_fraction, split)
+    keep = _text_split(path, raw.size, spec, split)
     tokens = raw[: n * spec.seq_len].reshape(n, spec.seq_len)[keep]
     return spec.throttle({"tokens": tokens, "sample_id": ids[keep]})
 
@@ -354,9 +391,8 @@ def describe(spec: SourceSpec) -> DataInfo:
     if spec.tokenized:
         return _count_tokenized(spec)
     if spec.kind == "text":
-        files = text_files(spec)
-        ids = np.concatenate([text_window_ids(i, size, spec.seq_len) for i, (_, size) in enumerate(files)])
-        return DataInfo(num_train=_count(ids, spec, "train"), num_val=_count(ids, spec, "val"))
+        val = np.concatenate([_text_split(path, size, spec, "val") for path, size in text_files(spec)])
+        return DataInfo(num_train=int((~val).sum()), num_val=int(val.sum()))
     if spec.kind == "synthetic":
         ids = np.arange(spec.num_samples, dtype=np.int64)
         classes = spec.num_classes if spec.task == "classification" else 0

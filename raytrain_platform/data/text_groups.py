@@ -1,7 +1,11 @@
 """Folders of text files through a real tokenizer (``data.source: text`` with
 ``data.tokenizer``): consecutive files grouped, each file one document, the group's
 documents packed into `jsonl.JsonlSpec`'s windows (numpy only: no Ray, no torch). Windows,
-not files, go to train or val, by a hash of their id, as in the byte-level text source.
+not files, go to train or val, by a hash of their id (``group_index << 32 | window``).
+Unlike the byte-level source's windows and jsonl's records, which are split by their
+file's name (`sources.split_keys`), a group's windows depend on which files the group
+holds: adding a file can move windows of its group and of the groups after it between
+the splits.
 """
 
 from __future__ import annotations
@@ -75,9 +79,9 @@ def stream_text_group_windows(group_index: int, paths: tuple[str, ...], spec: Js
 
 def text_group_windows(group_index: int, paths: tuple[str, ...], spec: JsonlSpec,
                        split: str) -> dict[str, np.ndarray]:
-    """One group of text files packed into windows, the `split` part of them: as the
-    byte-level text source, windows (not files) go to train or val by a hash of their
-    ``group_index << 32 | window_index`` id. Same arrays as `jsonl.jsonl_windows`."""
+    """One group of text files packed into windows, the `split` part of them: windows
+    (not files) go to train or val by a hash of their ``group_index << 32 |
+    window_index`` id. Same arrays as `jsonl.jsonl_windows`."""
     return _joined(stream_text_group_windows(group_index, paths, spec, split), spec.seq_len)
 
 
