@@ -175,6 +175,20 @@ def test_resume_at_another_size_or_strategy(tmp_path, base_runs, source, nproc, 
     assert _close(resumed, uninterrupted), (resumed, uninterrupted)
 
 
+@pytest.mark.extended
+@pytest.mark.timeout(150)
+def test_an_unsplit_run_resumes_at_another_size_where_it_stopped(tmp_path, base_runs):
+    """data.split_across_workers false: every rank reads every micro-batch, so 2 ranks x
+    16 train as one process of 16. The position was mapped as if the 2 ranks had read
+    2 x 16 rows a round: resumed on one process it skipped 5 micro-batches."""
+    unsplit = dict(data={"batch_size": 16, "split_across_workers": False}, parallel={"strategy": "ddp"})
+    rows = torchrun(tmp_path, "unsplit", 2, **unsplit)
+    one = losses(base_runs["one"][1])
+    assert _close(losses(rows), one), (losses(rows), one)
+    resumed = _resume_from(tmp_path, tmp_path / "unsplit", "unsplit_to_one", 1, data={"batch_size": 16})
+    assert _close(resumed, one[5:]), (resumed, one[5:])
+
+
 @pytest.mark.timeout(60)
 def test_resume_refuses_a_position_that_does_not_map(tmp_path, base_runs):
     """Step 5 of a 2 x 8 run is 80 rows into the epoch: not whole rounds of 1 x 48."""
@@ -182,7 +196,7 @@ def test_resume_refuses_a_position_that_does_not_map(tmp_path, base_runs):
     from raytrain_platform.errors import CheckpointError
 
     data = read_state(base_runs["fsdp"][0] / "checkpoint_000005")
-    assert data["layout"] == {"world_size": 2, "batch_size": 8}
+    assert data["layout"] == {"world_size": 2, "batch_size": 8, "split": True}
     assert _map_position("c", data, world_size=1, batch_size=16, epoch_rows=1920) == TrainState(
         step=5, epoch=0, batches_in_epoch=5, samples_seen=80)
     with pytest.raises(CheckpointError, match="not a whole number of rounds"):
@@ -308,3 +322,16 @@ def test_data_position_mapping_between_layouts():
     assert (end.epoch, end.batches_in_epoch) == (1, 0)  # 96 rows >= the new epoch's 64
     with pytest.raises(CheckpointError, match="not a whole number of rounds"):
         _map_position("c", state(2), world_size=3, batch_size=8, epoch_rows=96)
+    # Unsplit (every rank reads every micro-batch): a rank's count times its batch.
+    unsplit = {**state(4), "layout": {"world_size": 2, "batch_size": 8, "split": False}}
+    for world in (1, 2, 4):
+        assert _map_position("c", unsplit, world_size=world, batch_size=8, epoch_rows=96,
+                             split=False).batches_in_epoch == 4
+    assert _map_position("c", unsplit, world_size=2, batch_size=16, epoch_rows=96,
+                         split=False).batches_in_epoch == 2
+    assert _map_position("c", unsplit, world_size=2, batch_size=4, epoch_rows=96).batches_in_epoch == 4
+    # A layout written before `split` was recorded: taken as the resuming run's.
+    assert _map_position("c", state(4), world_size=1, batch_size=16, epoch_rows=96,
+                         split=False).batches_in_epoch == 2
+    with pytest.raises(CheckpointError, match=r"rounds of data.batch_size 24 \(unsplit"):
+        _map_position("c", unsplit, world_size=2, batch_size=24, epoch_rows=96, split=False)

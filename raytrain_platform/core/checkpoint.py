@@ -49,10 +49,11 @@ class TrainState:
 
 def save_checkpoint(directory: str | os.PathLike, *, wrapped, optimizer: torch.optim.Optimizer,
                     state: TrainState, lr: float, config_yaml: str, metrics: dict,
-                    is_rank0: bool, world_size: int = 1, batch_size: int = 0,
+                    is_rank0: bool, world_size: int = 1, batch_size: int = 0, split: bool = True,
                     base: dict | None = None) -> None:
     """Write this rank's part of a checkpoint into `directory`. Called on every rank
-    (sharded saves are collective); `world_size` and `batch_size` (per-rank micro-batch)
+    (sharded saves are collective); `world_size`, `batch_size` (per-rank micro-batch)
+    and `split` (whether the ranks share out the micro-batches, or each reads them all)
     say what unit `state.batches_in_epoch` counts, so a resume can rescale it. With
     `base` (a LoRA run's frozen base, core/adapters.py), only the trainable adapters
     are written, and the base's identity is recorded beside them."""
@@ -81,7 +82,7 @@ def save_checkpoint(directory: str | os.PathLike, *, wrapped, optimizer: torch.o
     files = {str(f.relative_to(d)): f.stat().st_size for f in sorted(d.rglob("*"))
              if f.is_file() and f.name != STATE_FILE}
     write_json(d / STATE_FILE, {"format_version": FORMAT_VERSION, "state": asdict(state),
-                                "layout": {"world_size": world_size, "batch_size": batch_size},
+                                "layout": {"world_size": world_size, "batch_size": batch_size, "split": split},
                                 "scheduler": {"step": state.step, "lr": lr},
                                 "metrics": metrics, "sharded": bool(wrapped.sharded), "files": files,
                                 **({"base": base} if base is not None else {})})
@@ -158,7 +159,7 @@ def read_weights(directory: str | os.PathLike, model: torch.nn.Module,
 
 
 def load_checkpoint(directory: str | os.PathLike, *, wrapped, optimizer: torch.optim.Optimizer,
-                    device: torch.device, world_size: int = 1, batch_size: int = 0,
+                    device: torch.device, world_size: int = 1, batch_size: int = 0, split: bool = True,
                     epoch_rows: int = 0, base: dict | None = None) -> TrainState:
     """Restore model and optimizer in place, whatever format the checkpoint has and
     whatever strategy and world size `wrapped` has; returns the train state to continue
@@ -176,7 +177,7 @@ def load_checkpoint(directory: str | os.PathLike, *, wrapped, optimizer: torch.o
         _load_unsharded(directory, data, wrapped=wrapped, optimizer=optimizer, device=device,
                         adapters_only=base is not None)
     return _map_position(directory, data, world_size=world_size, batch_size=batch_size,
-                         epoch_rows=epoch_rows)
+                         epoch_rows=epoch_rows, split=split)
 
 
 def _load_unsharded(directory, data: dict, *, wrapped, optimizer, device, adapters_only: bool = False) -> None:
@@ -210,27 +211,34 @@ def _load_unsharded(directory, data: dict, *, wrapped, optimizer, device, adapte
 
 
 def _map_position(directory, data: dict, *, world_size: int, batch_size: int,
-                  epoch_rows: int) -> TrainState:
-    """Micro-batch j of an epoch goes to rank j % world: a rank's count times the rows
-    per round is the epoch's global position in rows, which the new layout must divide.
-    `epoch_rows` is what the new layout trains on per epoch: at or past it, the next
-    epoch starts."""
+                  epoch_rows: int, split: bool = True) -> TrainState:
+    """Micro-batch j of an epoch goes to rank j % world (with `split`; unsplit, every
+    rank reads every micro-batch, as one process would): a rank's count times the rows
+    per round is the epoch's position in rows, which the new layout must divide.
+    `epoch_rows` is what the new layout reads per epoch (per rank, unsplit): at or past
+    it, the next epoch starts. A layout that does not say (written before it recorded
+    `split`) is taken to be split as the resuming run is."""
     state = TrainState(**data["state"])
     layout = data.get("layout")
     if not layout:  # format 1 (no layout recorded): resumed as written
         return state
-    same = (layout["world_size"], layout["batch_size"]) == (world_size, batch_size)
+    was_split = layout.get("split", split)
+    same = (layout["world_size"], layout["batch_size"], was_split) == (world_size, batch_size, split)
     if not batch_size or same:
         return state
-    rows = state.batches_in_epoch * layout["world_size"] * layout["batch_size"]
+    rows = state.batches_in_epoch * (layout["world_size"] if was_split else 1) * layout["batch_size"]
     if epoch_rows and rows >= epoch_rows:
         state.epoch, state.batches_in_epoch = state.epoch + 1, 0
         return state
-    per_round = world_size * batch_size
+    per_round = (world_size if split else 1) * batch_size
     if rows % per_round:
         raise CheckpointError(
             f"{directory}: data position {rows} rows into epoch {state.epoch} (written by "
-            f"{layout['world_size']} worker(s) x batch {layout['batch_size']}) is not a whole number of "
-            f"rounds of {world_size} worker(s) x data.batch_size {batch_size} = {per_round} rows")
+            f"{_round(layout['world_size'], 'batch', layout['batch_size'], was_split)}) is not a whole "
+            f"number of rounds of {_round(world_size, 'data.batch_size', batch_size, split)} = {per_round} rows")
     state.batches_in_epoch = rows // per_round
     return state
+
+
+def _round(world: int, name: str, batch: int, split: bool) -> str:
+    return f"{world} worker(s) x {name} {batch}" if split else f"{name} {batch} (unsplit: every worker reads it)"

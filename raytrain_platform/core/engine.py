@@ -100,11 +100,18 @@ class Engine:
 
     # ------------------------------------------------------------ state
 
+    @property
+    def split(self) -> bool:
+        """Whether the data-parallel ranks share out each epoch's micro-batches (else each
+        reads them all: data.split_across_workers false)."""
+        return self.cfg.data.split_across_workers
+
     def restore(self, directory: str) -> None:
         self.state = load_checkpoint(directory, wrapped=self.wrapped, optimizer=self.optimizer,
                                      device=self.env.device, world_size=self.data_world,
-                                     batch_size=self.cfg.data.micro_batch,
-                                     epoch_rows=self.job.steps_per_epoch * self.job.global_batch,
+                                     batch_size=self.cfg.data.micro_batch, split=self.split,
+                                     epoch_rows=self.job.steps_per_epoch * self.cfg.train.grad_accum_steps
+                                     * (self.data_world if self.split else 1) * self.cfg.data.micro_batch,
                                      base=self.base)
 
     def save(self, directory: str, metrics: dict) -> None:
@@ -112,7 +119,8 @@ class Engine:
         save_checkpoint(directory, wrapped=self.wrapped, optimizer=self.optimizer, state=self.state,
                         lr=self.optimizer.param_groups[0]["lr"], config_yaml=self._config_yaml,
                         metrics=metrics, is_rank0=self.env.is_rank0,
-                        world_size=self.data_world, batch_size=self.cfg.data.micro_batch, base=self.base)
+                        world_size=self.data_world, batch_size=self.cfg.data.micro_batch, split=self.split,
+                        base=self.base)
         self.nonfinite.saved(self.state.step)
 
     # ------------------------------------------------------------ steps
