@@ -21,7 +21,7 @@ import sys
 from typing import Callable
 
 from raytrain_platform.config import add_set_flag
-from raytrain_platform.errors import UserError, describe_error, first_line, user_cause
+from raytrain_platform.errors import OneLineParser, UserError, describe_error, first_line, user_cause
 
 __all__ = ["main"]
 
@@ -133,8 +133,8 @@ _PACKAGE_COMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rtp", description="Ray-native distributed training.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="rtp", description="Ray-native distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True)  # of the same class
     p = sub.add_parser("validate", help="check a config (and its data) without training")
     _add_config_args(p)
     p.set_defaults(fn=_cmd_validate)
@@ -208,5 +208,13 @@ def job_entry(command: str, file_flag: str, argv: list[str] | None = None) -> in
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the command's parser: "(see rtp plan --help)"
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     return _run(args.fn, args)
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]

@@ -6,11 +6,23 @@ layer turns them into a 4xx. Nothing here imports torch or Ray.
 
 from __future__ import annotations
 
+import argparse
 import re
-from typing import TypeVar
+import sys
+from typing import NoReturn, TypeVar
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "NonFiniteError", "UserError", "describe_error",
-           "first_line", "root_cause", "user_cause"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "NonFiniteError", "OneLineParser", "UserError",
+           "describe_error", "first_line", "root_cause", "user_cause"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An `argparse` parser whose own errors (an unknown flag, a flag without its value, a
+    missing argument) are one line on stderr and exit 2, not a usage block; its
+    subparsers are of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
 
 
 class UserError(Exception):

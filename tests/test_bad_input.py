@@ -40,6 +40,29 @@ def _one_line_exit_2(argv: list[str], capsys, needle: str) -> None:
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and needle in err, err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["train", "x.yaml", "--bogus"], "unrecognized arguments: --bogus (see rtp train --help)"),
+    (["validate", "x.yaml", "--set"], "argument --set: expected one argument (see rtp validate --help)"),
+    (["export"], "the following arguments are required: path (see rtp export --help)"),
+    (["export", "r", "--format", "onnx"], "argument --format: invalid choice: 'onnx'"),
+    (["make-data", "out", "--rows", "many"], "argument --rows: invalid int value: 'many'"),
+    (["cache", "--clear", "--max-size", "1GiB"], "argument --max-size: not allowed with argument --clear"),
+    (["serve", "r", "--bogus"], "unrecognized arguments: --bogus (see rtp serve --help)"),
+    (["doctor", "x.yaml", "--bogus"], "unrecognized arguments: --bogus (see rtp doctor --help)"),
+    (["sweep"], "(see rtp sweep --help)"),
+    (["nope"], "argument command: invalid choice: 'nope'"),
+    ([], "the following arguments are required: command (see rtp --help)"),
+])
+def test_every_commands_argument_errors_are_one_line(capsys, argv, message):
+    """argparse's own errors printed a usage block (2-4 lines) for every command but
+    plan and serve, and an unknown flag a block for those too."""
+    with pytest.raises(SystemExit) as exc:
+        rtp(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+
+
 # ---- checkpoints and exports -------------------------------------------------------------
 
 def _damage_state(ckpt: Path, state) -> None:

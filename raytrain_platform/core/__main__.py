@@ -9,7 +9,6 @@ machines where Ray is not installed.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -22,7 +21,7 @@ from raytrain_platform.config import add_set_flag, load_config
 from raytrain_platform.core.dist import barrier, init_torchrun
 from raytrain_platform.core.engine import run_training
 from raytrain_platform.data.local import LocalBatches
-from raytrain_platform.errors import NonFiniteError, UserError
+from raytrain_platform.errors import NonFiniteError, OneLineParser, UserError
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.resolve import resolve_job
 from raytrain_platform.core.rundir import CONFIG_FILE, checkpoint_name, latest_checkpoint, prune_checkpoints
@@ -48,7 +47,7 @@ class LocalReporter:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m raytrain_platform.core")
+    p = OneLineParser(prog="python -m raytrain_platform.core")
     p.add_argument("--config", required=True)
     add_set_flag(p)
     args = p.parse_args(argv)

@@ -15,9 +15,8 @@ import argparse
 import json
 from dataclasses import asdict
 import re
-import sys
 from pathlib import Path
-from typing import Any, NoReturn, overload
+from typing import Any, overload
 
 from raytrain_platform.config import add_set_flag, load_config
 from raytrain_platform.errors import ConfigError
@@ -51,14 +50,7 @@ def _int(flag: str, text: str | None, default: int | None = None) -> int | None:
     return int(text)
 
 
-def _one_line_error(message: str) -> NoReturn:
-    # argparse's own errors (a flag without its value, an unknown flag) as one line too.
-    print(f"error: {message} (see rtp plan --help)", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.error = _one_line_error  # type: ignore[method-assign]
     p.add_argument("config", nargs="?", help="a job's YAML config (model, batch, precision from it)")
     add_set_flag(p, help="with CONFIG: override a config field, e.g. --set model.kwargs.n_layer=24 (repeatable)")
     p.add_argument("--model", help=f"{', '.join(family_names())}, a preset: {', '.join(PRESETS)}, "

@@ -16,9 +16,8 @@ import argparse
 import os
 import signal
 import socket
-import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import yaml
 
@@ -32,14 +31,7 @@ BUILDER_IMPORT_PATH = "raytrain_platform.serve.builder:app"  # the same builder 
 ENGINES = ("torch", "vllm")
 
 
-def _one_line_error(message: str) -> NoReturn:
-    # argparse's own errors (a missing path, an unknown flag) as one line too.
-    print(f"error: {message} (see rtp serve --help)", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.error = _one_line_error  # type: ignore[method-assign]
     p.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CHECKPOINT",
                    help="a run directory (latest checkpoint), checkpoint, export, or a folder of run "
                         "directories (a sweep); NAME=PATH sets the model id (default: the run's folder name)")

@@ -31,11 +31,11 @@ True
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from typing import Any
 
+from raytrain_platform.errors import OneLineParser
 from raytrain_platform.models.registry import family_names, get_family
 from raytrain_platform.parallel.memory import saved_activation_bytes, state_bytes
 
@@ -141,7 +141,7 @@ def _print_all_ranks(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m raytrain_platform.tools.measure_memory")
+    p = OneLineParser(prog="python -m raytrain_platform.tools.measure_memory")
     p.add_argument("--model", nargs="+", choices=family_names(), required=True)
     p.add_argument("--strategy", nargs="+", default=["none"])
     p.add_argument("--parallel", default=None,

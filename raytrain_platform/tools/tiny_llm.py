@@ -33,7 +33,7 @@ import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from raytrain_platform.errors import ConfigError, UserError
+from raytrain_platform.errors import ConfigError, OneLineParser, UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -292,13 +292,8 @@ def make_all(out: str | Path, *, arch: str = "llama", samples: int = 2000, vocab
 # ---------------------------------------------------------------- CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m raytrain_platform.tools.tiny_llm",
+    p = OneLineParser(prog="python -m raytrain_platform.tools.tiny_llm",
                 description="Write a tiny offline LLM, tokenizer and instruction data.")
     p.add_argument("out", help="output folder (model/ and data/ are written inside)")
     p.add_argument("--arch", choices=ARCHS, default="llama")
