@@ -37,7 +37,7 @@ def _check(ok: bool, path: str, value: object, allowed: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """`name` is a model family (`gpt`, `mlp`; models/registry.py) or an import path
+    """`name` is a model family (`gpt`, `mlp`, `hf`; models/registry.py) or an import path
     ``pkg.module:build_fn`` whose function takes ``**kwargs`` and returns an ``nn.Module``.
     The family validates `kwargs` and decides the task."""
 
@@ -94,7 +94,8 @@ class DataConfig:
     seed: int = 0  # synthetic generator
     glob: str = "**/*.py"  # text: which files under path
     # lm: tokens of context per sample (each sample holds seq_len + 1 tokens: the targets
-    # are the inputs shifted by one). Default: the model's context (gpt: block_size).
+    # are the inputs shifted by one). Default: the model's context (gpt: block_size; hf:
+    # max_position_embeddings, at most 2048).
     seq_len: Union[int, None] = None
     max_files: Union[int, None] = None  # text: use only the first N files (sorted)
     prefetch_batches: int = 2
@@ -206,7 +207,7 @@ class TrainConfig:
     seed: int = 0
     # A step whose loss or gradient norm is NaN/inf: stop (exit 1, naming the step and the
     # newest finite checkpoint) or skip_step (no update; counted as nonfinite_skips), which
-    # stops after max_nonfinite_skips skipped steps in a row.
+    # stops once more than max_nonfinite_skips steps in a row are skipped.
     on_nonfinite: str = "stop"
     max_nonfinite_skips: int = 10
     # Language models with a loss mask (instruction data): counted runs the output head and

@@ -28,7 +28,8 @@ def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
                    help="measured steps per run, twice: normal, then with the all-reduce timed apart")
     p.add_argument("--warmup", type=int, default=5, help="steps before measuring")
     p.add_argument("--out", default=None, help="output folder (default: <storage>/<run.name>-doctor)")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: embedded local Ray)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else "
+                                                   "an embedded local Ray)")
     p.add_argument("--min-efficiency", type=float, default=0.75,
                    help="flag scaling below this fraction of linear (default 0.75)")
     p.add_argument("--json", action="store_true", help="print doctor.json instead of the table")

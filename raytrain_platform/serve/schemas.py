@@ -89,7 +89,9 @@ class ModelInfo(_Strict):
     owned_by: str = "raytrain_platform"
     model: dict = Field(description="model.name and model.kwargs from the training config")
     task: str = Field(description="classification, regression or lm")
-    endpoint: str = Field(description="predict (POST /v1/predict) or generate (POST /v1/generate)")
+    endpoint: str = Field(description="predict (POST /v1/predict) or generate (a language model: "
+                          "POST /v1/generate, or with a tokenizer POST /v1/completions and "
+                          "/v1/chat/completions)")
     inputs: dict = Field(description="what a request's input must match, from the model's family: "
                          "num_features/num_outputs (predict) or block_size/vocab_size (gpt)")
     context_len: int = Field(0, description="generate: tokens of context the model sees")
@@ -131,7 +133,7 @@ class HealthResponse(_Strict):
                               "max_models_per_replica: least recently used ones are unloaded)")
     batches: dict[str, BatchStats] = Field(
         default_factory=dict, description="on the replica that answered, per kind of work "
-                                          "(predict, generate), since it started")
+                                          "(predict, generate, decode), since it started")
 
 
 class ErrorDetail(_Strict):

@@ -28,7 +28,7 @@ REPORTED = ("step", "loss", "val_loss", "samples_per_s")  # columns taken from e
 @dataclass
 class SweepResult:
     """What `sweep` returns. ``trials`` has one row per trial: ``trial``, ``status``
-    (done | stopped | failed | invalid), one column per swept path, the last reported
+    (done | stopped | failed | invalid | not run), one column per swept path, the last reported
     ``step``/``loss``/``val_loss``/``samples_per_s``, the objective, ``duration_s``,
     ``error``, ``run_dir`` and ``best_checkpoint``."""
 
