@@ -123,7 +123,7 @@ def test_a_sample_keeps_its_split_when_files_are_added_beside_its_own(tmp_path, 
         (root / "sub" / "c.txt").write_bytes(Path(sources.default_text_root(), "shlex.py").read_bytes())
     else:
         _parquet(root, 300, 3, "a.parquet")
-        _parquet(root, 200, 3, "c.parquet", first=20_000)
+        _parquet(root / "sub", 200, 3, "c.parquet", first=20_000)
     after = _splits(spec, features)
     for split in ("train", "val"):
         own = set(before[split])  # b's samples (a's and c's differ from them)

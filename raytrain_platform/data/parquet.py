@@ -26,7 +26,8 @@ MAX_CLASSES = 1_000_000  # a classification label column's largest index + 1
 VAL_PATH_ID = 1 << 62  # the sample_id of data.val_path's first row
 
 
-def parquet_files(path: str, field: str = "data.path") -> tuple["pafs.FileSystem", list[str]]:
+def parquet_files(path: str, field: str = "data.path") -> tuple["pafs.FileSystem", str, list[str]]:
+    """(filesystem, the path's own path in it, its .parquet files' paths in it, sorted)."""
     import pyarrow.fs as pafs
 
     fs, root = filesystem(path, field)
@@ -34,12 +35,12 @@ def parquet_files(path: str, field: str = "data.path") -> tuple["pafs.FileSystem
     if info.type == pafs.FileType.NotFound:
         raise DataError(f"{field} = {path!r}: no such file or folder")
     if info.type == pafs.FileType.File:
-        return fs, [root]
+        return fs, root, [root]
     infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
     files = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
     if not files:
         raise DataError(f"{field} = {path!r}: the folder holds no .parquet files")
-    return fs, files
+    return fs, root, files
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class _Footers:
 def _read_footers(path: str, field: str, first_id: int) -> _Footers:
     import pyarrow.parquet as pq
 
-    fs, files = parquet_files(path, field)
+    fs, root, files = parquet_files(path, field)
     chunks, offset, schema, metas = [], first_id, None, []
     for f in files:
         try:
@@ -79,7 +80,7 @@ def _read_footers(path: str, field: str, first_id: int) -> _Footers:
             raise DataError(f"{field}: {f!r} has schema {file_schema.names} but the first file has "
                             f"{schema.names}; all files must share one schema")
         metas.append((f, meta))
-        key, file_row = split_key(f, path), 0
+        key, file_row = split_key(f, root), 0
         for rg in range(meta.num_row_groups):
             n = meta.row_group(rg).num_rows
             if n:
