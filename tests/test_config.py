@@ -50,6 +50,8 @@ BAD = [
     ({"model": {"name": "resnet"}}, "model.name = 'resnet'"),
     ({"model": {"name": "gpt", "kwargs": {"n_embd": 30, "n_head": 4}}}, "model.kwargs.n_embd = 30"),
     ({"model": {"name": "gpt", "kwargs": {"layers": 2}}}, "model.kwargs.layers"),
+    ({"scaling": {"torch_threads": 2**31}}, "scaling.torch_threads = 2147483648"),  # torch: an overflow
+    ({"model": {"name": "mlp", "task": "regression"}}, "model.kwargs.task chooses it"),
 ]
 
 
@@ -80,6 +82,33 @@ def test_unknown_section_and_missing_required(tmp_path):
 def test_bad_override_syntax(tmp_path):
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         load_config(mlp_config(tmp_path, "x"), ["train.lr"])
+
+
+def test_a_key_given_twice_is_refused_with_its_lines(tmp_path):
+    """YAML keeps the last of two equal keys: a second `model:` section silently
+    replaced the first. Merge keys (`<<: *base`) may still be overridden."""
+    path = tmp_path / "c.yaml"
+    text = yaml.safe_dump(mlp_config(tmp_path, "dup"), sort_keys=False)
+    path.write_text(text + "model: {name: gpt}\n")
+    with pytest.raises(ConfigError, match=r"line \d+: key 'model' is given twice \(first at line \d+\)") as err:
+        load_config(str(path))
+    assert "\n" not in str(err.value)
+    path.write_text(text.replace("train:\n", "defaults: &d {lr: 0.5, seed: 3}\ntrain:\n  <<: *d\n", 1))
+    with pytest.raises(ConfigError, match="no such section"):  # merged, then `defaults` is unknown
+        load_config(str(path))
+
+
+def test_overrides_into_an_empty_section_and_of_text_that_is_not_yaml(tmp_path):
+    """`parallel:` left empty (null) refused every --set into it; `data.glob=**/*.txt`
+    was refused as YAML (an alias)."""
+    data = mlp_config(tmp_path, "o")
+    data["parallel"] = None
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert load_config(str(path), ["parallel.ddp_bucket_cap_mb=10"]).parallel.ddp_bucket_cap_mb == 10
+    assert load_config(str(path), ["data.glob=**/*.txt"]).data.glob == "**/*.txt"
+    with pytest.raises(ConfigError, match=r"data.feature_columns = '\[a, b': expected a list"):
+        load_config(str(path), ["data.feature_columns=[a, b"])
 
 
 def _rtp(*args):

@@ -13,6 +13,7 @@ import pytest
 from raytrain_platform.data import ray_data, sources
 from raytrain_platform.data.parquet import split_chunks
 from raytrain_platform.data.sources import SourceSpec
+from raytrain_platform.errors import DataError
 
 
 def _parquet(folder: Path, rows: int, classes: int, name: str = "part-0.parquet", first: int = 0) -> str:
@@ -129,3 +130,17 @@ def test_a_sample_keeps_its_split_when_files_are_added_beside_its_own(tmp_path, 
         own = set(before[split])  # b's samples (a's and c's differ from them)
         assert [v for v in after[split] if v in own] == before[split], split
         assert len(after[split]) > len(before[split])
+
+
+def test_files_of_another_schema_are_named_with_their_column_types(tmp_path):
+    """The message showed the same column names twice when only a type differed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _parquet(tmp_path / "d", 10, 3, "a.parquet")
+    pq.write_table(pa.table({"f0": np.arange(10, dtype=np.int32), "label": np.arange(10) % 3}),
+                   tmp_path / "d" / "b.parquet")
+    spec = SourceSpec(kind="parquet", task="regression", val_fraction=0.2, path=str(tmp_path / "d"))
+    with pytest.raises(DataError, match=r"has columns \(f0: int32, label: int64\) but the first file "
+                                                r"has \(f0: double, label: int64\)"):
+        sources.describe(spec)

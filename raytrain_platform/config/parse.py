@@ -86,7 +86,9 @@ def _set_path(data: dict, dotted: str, value: Any) -> None:
     _check(len(parts) >= 2 and all(parts), dotted, value, "a dotted path like 'train.lr'")
     node = data
     for part in parts[:-1]:
-        nxt = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or a section left empty in the YAML (`parallel:`)
+            node[part] = {}
+        nxt = node[part]
         _check(isinstance(nxt, dict), dotted, value, f"a path into a mapping ('{part}' is not one)")
         node = nxt
     node[parts[-1]] = value
@@ -100,13 +102,19 @@ def add_set_flag(parser: argparse.ArgumentParser,
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``"train.lr=3e-4"`` -> ``("train.lr", 0.0003)``; the value is a YAML scalar."""
+    """``"train.lr=3e-4"`` -> ``("train.lr", 0.0003)``; the value is read as YAML, and
+    text that is not YAML is taken as it is (``data.glob=**/*.txt``: YAML would read
+    ``*`` as an alias); the field's type then decides whether it fits.
+
+    >>> parse_override("data.glob=**/*.txt"), parse_override("data.feature_columns=[a, b]")
+    (('data.glob', '**/*.txt'), ('data.feature_columns', ['a', 'b']))
+    """
     key, sep, raw = text.partition("=")
     _check(bool(sep) and bool(key.strip()), "--set", text, "KEY=VALUE, e.g. train.lr=3e-4")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(key.strip(), raw, f"a YAML value ({str(exc).splitlines()[0]})") from None
+        value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw.strip()
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
         value = float(value)  # YAML 1.1 reads "3e-4" as a string; people mean the number
     return key.strip(), value
@@ -119,6 +127,30 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
     return data
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``safe_load``, and a key given twice in one mapping is an error (YAML itself
+    keeps the last, silently dropping the first: a whole section, say)."""
+
+
+def _unique_keys(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, yaml.Mark] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.setdefault(key, key_node.start_mark)
+        except TypeError:  # an unhashable key: construct_mapping says so
+            continue
+        if first is not key_node.start_mark:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (first at line {first.line + 1})", key_node.start_mark)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_keys)
+
+
 def read_yaml(path: Path, what: str = "config") -> Any:
     """A YAML file's data (``safe_load``: tags that would build Python objects are
     refused), or one `ConfigError` naming `what` and the file: missing, unreadable, not
@@ -126,7 +158,7 @@ def read_yaml(path: Path, what: str = "config") -> Any:
     if not path.is_file():
         raise ConfigError(what, str(path), "an existing YAML file")
     try:
-        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+        return yaml.load(path.read_bytes().decode("utf-8"), Loader=_StrictLoader)
     except OSError as exc:
         raise ConfigError(what, str(path), f"a readable YAML file ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:

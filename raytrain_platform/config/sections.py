@@ -28,6 +28,7 @@ SEED_LIMIT = 2**32  # numpy's and every generator's range; torch takes it too
 SEED_ALLOWED = "an integer from 0 to 2**32 - 1"
 # Experiment trackers `run.tracking` accepts; raytrain_platform/tracking/ implements each.
 TRACKERS: tuple[str, ...] = ("mlflow", "tensorboard")
+MAX_TORCH_THREADS = 4096  # torch.set_num_threads takes a C int; no machine has more cores
 
 
 def _check(ok: bool, path: str, value: object, allowed: str) -> None:
@@ -348,8 +349,8 @@ class ScalingConfig:
         _check(self.num_workers >= 1, "scaling.num_workers", self.num_workers, "an integer >= 1")
         _check(self.cpus_per_worker > 0, "scaling.cpus_per_worker", self.cpus_per_worker,
                "a number > 0")
-        _check(self.torch_threads is None or self.torch_threads >= 1, "scaling.torch_threads",
-               self.torch_threads, "an integer >= 1 or null")
+        _check(self.torch_threads is None or 1 <= self.torch_threads <= MAX_TORCH_THREADS, "scaling.torch_threads",
+               self.torch_threads, f"an integer from 1 to {MAX_TORCH_THREADS} or null")
 
     @property
     def memory_budget_bytes(self) -> int | None:

@@ -77,8 +77,8 @@ def _read_footers(path: str, field: str, first_id: int) -> _Footers:
         if schema is None:
             schema = file_schema
         elif not file_schema.equals(schema):
-            raise DataError(f"{field}: {f!r} has schema {file_schema.names} but the first file has "
-                            f"{schema.names}; all files must share one schema")
+            raise DataError(f"{field}: {f!r} has columns {_columns(file_schema)} but the first file has "
+                            f"{_columns(schema)}; all files must share one schema")
         metas.append((f, meta))
         key, file_row = split_key(f, root), 0
         for rg in range(meta.num_row_groups):
@@ -90,6 +90,10 @@ def _read_footers(path: str, field: str, first_id: int) -> _Footers:
         raise DataError(f"{field} = {path!r}: the Parquet files hold no rows")
     assert schema is not None
     return _Footers(chunks, schema, metas, fs)
+
+
+def _columns(schema: "pa.Schema") -> str:
+    return "(" + ", ".join(f"{f.name}: {f.type}" for f in schema) + ")"
 
 
 def parquet_chunks(path: str, spec: SourceSpec, field: str = "data.path", *,

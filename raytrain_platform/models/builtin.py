@@ -42,9 +42,12 @@ def _resolve_spec(family: str, spec_cls: type, kwargs: Any) -> Any:
     return spec
 
 
-def _fixed_task(family: str, task: str, requested: str | None) -> str:
+def _fixed_task(family: str, task: str, requested: str | None, *, tasks: tuple[str, ...] = ()) -> str:
+    """The model's task; `tasks`: those its ``model.kwargs.task`` may choose."""
     if requested not in (None, task):
-        raise ConfigError("model.task", requested, f"'{task}' for model {family} (or leave it out)")
+        choose = (f"; model.kwargs.task chooses it (one of {list(tasks)})"
+                  if requested in tasks else "")
+        raise ConfigError("model.task", requested, f"'{task}' for model {family} (or leave it out){choose}")
     return task
 
 
@@ -139,7 +142,7 @@ class MLPFamily(ModelFamily):
         return dataclasses.asdict(_resolve_spec(self.name, MLPSpec, kwargs))
 
     def resolve_task(self, kwargs: dict, requested: str | None) -> str:
-        return _fixed_task(self.name, kwargs["task"], requested)
+        return _fixed_task(self.name, kwargs["task"], requested, tasks=("classification", "regression"))
 
     def needs_data(self, kwargs: dict) -> bool:
         return kwargs["input_dim"] is None or kwargs["num_outputs"] is None
