@@ -30,7 +30,7 @@ from raytrain_platform.models.lora import ADAPTER, is_adapter, merge_lora
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.user import IMPORT_PATH
 from raytrain_platform.units import parse_size
-from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE, latest_checkpoint, write_json
+from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE, folder_problem, latest_checkpoint, write_json
 
 __all__ = ["export_checkpoint", "load_model_for_inference", "load_hf_directory", "is_hf_directory",
            "EXPORT_INFO_FILE", "attach_adapters", "load_lora_base", "read_adapters"]
@@ -192,9 +192,13 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     target = Path(out) if out is not None else ckpt.parent / "export"
     if out is None:  # a given --out was checked above
         _check_out(target, ckpt, flag="the default export folder")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    final = target.resolve()  # a symlinked folder: what it points to is replaced, the link kept
-    staging = _staging(final)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        final = target.resolve()  # a symlinked folder: what it points to is replaced, the link kept
+        staging = _staging(final)
+    except OSError as exc:  # changed since `_check_out` looked
+        raise ConfigError("--out" if out is not None else "the default export folder", str(target),
+                          f"a folder that can be created and written ({_reason(exc)})") from None
     try:
         if format == "peft":
             _write_peft(model, cfg, staging)
@@ -271,8 +275,12 @@ def _check_out(target: Path, source: Path, *, flag: str) -> None:
     """An export never writes over what it did not write: `target` is a new or empty
     directory, or an earlier export (``export.json``), which is replaced as a whole;
     never the source or a folder holding it, and never inside a checkpoint directory.
-    ``RUN/export`` is the default."""
-    t = target.resolve()
+    ``RUN/export`` is the default. It can be written: created (its nearest existing
+    folder takes new entries) or, where it exists, staged beside or inside (`_staging`)."""
+    try:
+        t = target.resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise ConfigError(flag, str(target), f"a folder that can be created and written ({_reason(exc)})") from None
     if t.exists() and not t.is_dir():
         raise ConfigError(flag, str(target), "a directory (this is a file)")
     ours = (t / EXPORT_INFO_FILE).is_file()
@@ -281,6 +289,22 @@ def _check_out(target: Path, source: Path, *, flag: str) -> None:
     if source.resolve().is_relative_to(t) or foreign or in_checkpoint:
         raise ConfigError(flag, str(target), "a directory outside the source that holds no run, checkpoint or "
                           "model of its own: a new or empty one, or an earlier export (replaced as a whole)")
+    problem = _unwritable(t)
+    if problem is not None:
+        raise ConfigError(flag, str(target), f"a folder that can be created and written ({problem})")
+
+
+def _reason(exc: BaseException) -> str:
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
+
+
+def _unwritable(t: Path) -> str | None:
+    """Why the export cannot be written at `t` (resolved), or None: an existing folder is
+    staged beside it or else inside it; a new one needs its nearest existing parent to be
+    a folder that takes new entries. Nothing is created."""
+    if t.is_dir() and folder_problem(t.parent) is None:
+        return None
+    return folder_problem(t)
 
 
 def _load_adapters(model: nn.Module, cfg: JobConfig, ckpt: Path, *, sharded: bool, merge: bool) -> nn.Module:

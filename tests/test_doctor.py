@@ -111,3 +111,70 @@ def test_unsharded_data_is_flagged(tmp_path, ray_cluster):
     run = report.runs[0]
     # Unsplit, both ranks read the same batches in the same order: every sample twice.
     assert run.duplicate_samples == run.samples_checked // 2 > 0
+
+
+# ---- bad flags found before Ray starts (init_ray replaced by a tripwire: no Ray here) ----
+
+class _RayStarted(Exception):
+    pass
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """`init_ray` raises: a check that comes after it fails its test."""
+    from raytrain_platform.launch import trainer
+
+    def tripwire(*args, **kwargs):
+        raise _RayStarted("init_ray was called")
+
+    monkeypatch.setattr(trainer, "init_ray", tripwire)
+
+
+def _doctor_exit_2(argv, capsys, *needles):
+    from raytrain_platform.cli import main as rtp
+
+    code = rtp(["doctor", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    assert all(n in err for n in needles), err
+    return err
+
+
+def _write(tmp_path, cfg) -> str:
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("where", ["a_file", "a_file/below"])
+def test_an_unusable_out_folder_is_refused_before_ray_starts(tmp_path, capsys, no_ray, where):
+    (tmp_path / "a_file").write_text("keep me")
+    config = _write(tmp_path, mlp_config(tmp_path, "doc"))
+    _doctor_exit_2([config, "--out", str(tmp_path / where)], capsys, "--out", "a folder that can be created")
+    assert (tmp_path / "a_file").read_text() == "keep me"
+
+
+def test_workers_not_a_multiple_of_the_replica_is_refused_before_ray_starts(tmp_path, capsys, no_ray):
+    cfg = {"model": {"name": "gpt", "kwargs": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16}},
+           "data": {"source": "synthetic", "num_samples": 64, "batch_size": 8, "val_fraction": 0.0},
+           "train": {"max_steps": 1}, "run": {"name": "tp", "storage_path": str(tmp_path)},
+           "scaling": {"num_workers": 2, "cpus_per_worker": 0.5}, "parallel": {"tp_size": 2}}
+    _doctor_exit_2([_write(tmp_path, cfg), "--workers", "3"], capsys,
+                   "--workers = 3: expected a multiple of parallel.tp_size x pp_size (2)")
+
+
+def test_a_uri_storage_path_needs_a_local_out_folder(tmp_path, capsys, no_ray, monkeypatch):
+    """The doctor writes its runs and report as local files: `Path("file:///x")` would
+    have made a folder named ``file:`` in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    cfg = mlp_config(tmp_path, "uri", run={"storage_path": f"file://{tmp_path}/store"})
+    config = _write(tmp_path, cfg)
+    _doctor_exit_2([config], capsys, "run.storage_path", "--out")
+    _doctor_exit_2([config, "--out", "s3://bucket/doctor"], capsys, "--out", "a local folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+    # With a local --out, the checks pass and the doctor goes on to start Ray.
+    with pytest.raises(_RayStarted):
+        doctor(cfg, out=str(tmp_path / "local"))

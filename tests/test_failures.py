@@ -78,7 +78,7 @@ def _parquet_config(tmp: Path, name: str) -> dict:
 @pytest.mark.parametrize("where, expected", [
     ("a_file", "expected a folder for run directories; it is a file"),
     ("a_file/runs", "a_file is a file, so it cannot be created"),
-    ("/proc/rtp_runs", "expected a writable folder; /proc is not writable"),
+    ("/proc/rtp_runs", "expected a folder for run directories; /proc is not writable"),
     ("nosuchscheme://bucket/runs", "expected a URI whose filesystem resolves (Unrecognized filesystem type"),
 ])
 def test_a_storage_path_that_cannot_hold_runs_is_exit_2_before_ray(tmp_path, capsys, where, expected):

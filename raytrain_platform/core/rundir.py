@@ -61,19 +61,30 @@ def check_storage(path: str) -> None:
             reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
             raise ConfigError(field, path, f"a URI whose filesystem resolves ({reason})") from None
         return
-    target = Path(path)
+    problem = folder_problem(Path(path))
+    if problem is not None:
+        raise ConfigError(field, path, f"a folder for run directories; {problem}")
+
+
+def folder_problem(target: Path) -> str | None:
+    """Why no folder can be written at the local path `target`, or None: it is a folder
+    that takes new entries, or it can be created (its nearest existing parent is one).
+    Nothing is created.
+
+    >>> folder_problem(Path("/proc/version/x")), folder_problem(Path("/proc/rtp/x"))
+    ('/proc/version is a file, so it cannot be created', '/proc is not writable (No such file or directory)')
+    """
     existing = target
     while not existing.exists() and existing.parent != existing:
         existing = existing.parent  # where the missing folders would be created
     if not existing.is_dir():
-        where = "it is a file" if existing == target else f"{existing} is a file, so it cannot be created"
-        raise ConfigError(field, path, f"a folder for run directories; {where}")
+        return "it is a file" if existing == target else f"{existing} is a file, so it cannot be created"
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
-        raise ConfigError(field, path, f"a writable folder; {existing} is not writable "
-                                       f"({exc.strerror or type(exc).__name__})") from None
+        return f"{existing} is not writable ({exc.strerror or type(exc).__name__})"
+    return None
 
 
 def checkpoint_name(step: int) -> str:

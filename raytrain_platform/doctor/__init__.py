@@ -9,16 +9,19 @@ optimizer, and flag the tutorial's pitfalls with their evidence and their fix.
 
 Writes ``doctor.json`` and ``doctor.png`` into its output folder (default
 ``<run.storage_path>/<run.name>-doctor``), beside one run directory per worker count.
+The folder is local (the runs and the report are local files): with a URI
+``run.storage_path``, ``out`` names one.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_platform.doctor.checks import THRESHOLDS, Finding, RunStats, diagnose, scaling_efficiency
-from raytrain_platform.core.rundir import write_json
+from raytrain_platform.core.rundir import folder_problem, write_json
 
 __all__ = ["doctor", "DoctorReport", "format_report", "DOCTOR_FILE", "DOCTOR_PLOT"]
 
@@ -104,15 +107,53 @@ def plot_report(report: DoctorReport, path: Path) -> Path:
     return path
 
 
+def _output_folder(cfg: Any, out: str | os.PathLike | None) -> Path:
+    """The doctor's output folder, checked before Ray starts: a local folder that exists
+    or can be created (its nearest existing parent a writable folder). Nothing is created
+    here. The doctor's runs and report are local files: a URI is refused (with a URI
+    ``run.storage_path``, `out` must name a local folder)."""
+    from raytrain_platform.errors import ConfigError
+
+    out = None if out is None else os.fspath(out)
+    if out is None and "://" in cfg.run.storage_path:
+        raise ConfigError("run.storage_path", cfg.run.storage_path,
+                          "a local folder for rtp doctor, or --out naming one (the doctor writes its "
+                          "runs and report as local files)")
+    if out is not None and not out.strip():
+        raise ConfigError("--out", out, "a path to a local folder")
+    if out is not None and "://" in out:
+        raise ConfigError("--out", out, "a local folder (the doctor writes its runs and report as local files)")
+    given = out if out is not None else os.path.join(cfg.run.storage_path, f"{cfg.run.name}-doctor")
+    default = "" if out is not None else "; the default is <run.storage_path>/<run.name>-doctor"
+    try:
+        target = Path(os.path.expanduser(given)).resolve()
+        problem = folder_problem(target)
+    except OSError as exc:
+        problem = exc.strerror or type(exc).__name__
+    except RuntimeError as exc:  # a symlink loop (Path.resolve)
+        problem = str(exc)
+    if problem is not None:
+        raise ConfigError("--out", given, f"a folder that can be created and written ({problem}){default}")
+    return target
+
+
+def _make_folder(target: Path) -> None:
+    from raytrain_platform.errors import ConfigError
+
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # changed since `_output_folder` checked it
+        raise ConfigError("--out", str(target),
+                          f"a folder that can be created and written ({exc.strerror or type(exc).__name__})") from None
+
+
 def doctor(config: Any, overrides: list[str] | None = None, *, workers: list[int] | None = None,
-           steps: int = 10, warmup: int = 5, out: str | None = None, address: str | None = None,
+           steps: int = 10, warmup: int = 5, out: str | os.PathLike | None = None, address: str | None = None,
            min_efficiency: float = THRESHOLDS["scaling_efficiency"],
            emit: Callable[[str], None] = print) -> DoctorReport:
     """Measure `config` at several worker counts and diagnose it (see the module docstring)."""
-    import ray
-
     from raytrain_platform.config import load_config
-    from raytrain_platform.doctor.measure import measure_run, worker_counts
+    from raytrain_platform.doctor.measure import check_requested_counts, measure_run, worker_counts
     from raytrain_platform.errors import ConfigError
     from raytrain_platform.launch.trainer import cluster_hardware, init_ray, prepare
     from raytrain_platform.plan.auto import has_auto
@@ -123,16 +164,19 @@ def doctor(config: Any, overrides: list[str] | None = None, *, workers: list[int
     if not 0 < min_efficiency <= 1:
         raise ConfigError("--min-efficiency", min_efficiency, "a fraction in (0, 1]")
     cfg = load_config(config, overrides)
+    # What the config and the flags alone decide, before Ray starts.
+    out_dir = _output_folder(cfg, out)
+    check_requested_counts(cfg, workers)
     if has_auto(cfg):  # checked against the cluster (each run decides its own `auto` fields)
         init_ray(address, verbose=False)
         prepare(cfg, hardware=cluster_hardware(cfg))
     else:
         prepare(cfg)  # everything validated before Ray starts
         init_ray(address, verbose=False)
-    out_dir = Path(out) if out else Path(cfg.run.storage_path) / f"{cfg.run.name}-doctor"
-    out_dir = out_dir.resolve()
-    counts = worker_counts(cfg, ray.cluster_resources(), workers)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    import ray
+
+    counts = worker_counts(cfg, ray.cluster_resources(), workers)  # the cluster's room
+    _make_folder(out_dir)
     runs = [measure_run(cfg, workers=n, warmup=warmup, steps=steps, out_dir=out_dir, emit=emit)
             for n in counts]
     report = DoctorReport(out_dir=out_dir, runs=runs,

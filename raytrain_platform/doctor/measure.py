@@ -19,11 +19,20 @@ from pathlib import Path
 from typing import Callable
 
 from raytrain_platform.config import JobConfig
-from raytrain_platform.core.profile import PROFILE_FILE
 from raytrain_platform.doctor.checks import RunStats
 from raytrain_platform.errors import ConfigError
 
-__all__ = ["worker_counts", "measure_run", "summarise_profile"]
+__all__ = ["check_requested_counts", "worker_counts", "measure_run", "summarise_profile"]
+
+
+def check_requested_counts(cfg: JobConfig, requested: list[int] | None) -> None:
+    """The part of `worker_counts`' check that needs only the config (no cluster): each
+    requested count is a multiple of one model replica's ranks (tp x pp). Run before
+    Ray starts."""
+    unit = cfg.parallel.tp_size * cfg.parallel.pp_size
+    for n in requested or ():
+        if n % unit:
+            raise ConfigError("--workers", n, f"a multiple of parallel.tp_size x pp_size ({unit})")
 
 
 def worker_counts(cfg: JobConfig, cluster: dict[str, float], requested: list[int] | None) -> list[int]:
@@ -39,9 +48,8 @@ def worker_counts(cfg: JobConfig, cluster: dict[str, float], requested: list[int
                    for res, need in per_worker.items())
 
     if requested:
+        check_requested_counts(cfg, requested)
         for n in requested:
-            if n % unit:
-                raise ConfigError("--workers", n, f"a multiple of parallel.tp_size x pp_size ({unit})")
             if not fits(n):
                 raise ConfigError("--workers", n, f"a count the cluster has room for ({cluster.get('CPU', 0):g} "
                                   f"CPUs, {cluster.get('GPU', 0):g} GPUs; each worker needs "
@@ -110,6 +118,7 @@ def measure_run(cfg: JobConfig, *, workers: int, warmup: int, steps: int, out_di
                 emit: Callable[[str], None]) -> RunStats:
     """Train `cfg` at `workers` workers with profiling; its run directory is
     ``out_dir/w<workers>`` (replaced: a doctor run never resumes)."""
+    from raytrain_platform.core.profile import PROFILE_FILE  # torch: imported once the checks have passed
     from raytrain_platform.launch.trainer import cluster_hardware, prepare, run_job
     from raytrain_platform.plan.auto import has_auto
 
