@@ -1,6 +1,7 @@
 """`rtp plan`: the memory model against real tensors, the decision guide row by row,
 and the command end to end. No Ray; torchrun (gloo) for DDP, FSDP, TP, PP and 2-D layouts."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -196,6 +197,35 @@ def test_pipeline_ranks_follow_the_stage_split():
     assert err.value.field == "layout.pp_split"
 
 
+def test_heaviest_pipeline_rank_is_the_scan_of_every_rank_and_follows_stage_blocks():
+    """estimate_memory finds the rank that needs the most without estimating every rank
+    (a million-stage pipeline would take minutes): the same estimate as the scan, and
+    each rank's blocks as parallel/dims.py `stage_blocks` counts them."""
+    from raytrain_platform.parallel.dims import stage_blocks
+
+    models = [gpt_shape(GPTSpec(**{**GPT_MP, "n_layer": 11, "dropout": 0.1})), preset_shape("gpt2")]
+    for m, pp, looped, tp, (dp, shard), micro_batches, precision, ckpt in itertools.product(
+            models, range(1, 6), (1, 2), (1, 2), ((1, 1), (2, 1), (4, 4)), (1, 2, 7), ("fp32", "bf16"), (False, True)):
+        layout = Layout(dp=dp, shard=shard, tp=tp, pp=pp, stages_per_rank=looped, micro_batches=micro_batches)
+        kw = dict(model=m, layout=layout, precision=precision, activation_checkpointing=ckpt)
+        ranks = [estimate_memory(**kw, pp_rank=r) for r in range(pp)]
+        assert estimate_memory(**kw) == max(ranks, key=lambda est: est.total), (m.name, layout)
+        stages = stage_blocks(m.n_layer, layout.stages)
+        assert [rank_part(m, layout, r).blocks for r in range(pp)] == [
+            sum(len(stages[i]) for i in range(r, layout.stages, pp)) for r in range(pp)]
+
+
+@pytest.mark.timeout(20)
+def test_plan_of_a_pipeline_of_many_stages_finishes():
+    """300,000 blocks on 720,720 devices: the PP searches size layouts of up to 240,240
+    stages (each estimate used to go over every stage, rebuilding the stage split per
+    rank: it ran for minutes). The timeout marker is the guard."""
+    m = gpt_shape(GPTSpec(n_layer=300_000))
+    plan = make_plan(model=m, device_memory=80 * GIB, devices_per_node=720_720, global_batch=720_720)
+    assert plan.recommended.strategy == "tp_fsdp" and plan.option("pp").layout.pp == 240_240
+    assert not plan.option("pp").fits and plan.option("pp").estimate.pp_rank == 0
+
+
 # --- the decision guide, one row of the tutorial's table per case ------------------------
 
 def test_fits_one_device_and_slow_gives_ddp():
@@ -324,6 +354,9 @@ def test_cli_reads_a_job_config(tmp_path):
     (["--model", "gpt2", "--nodes", "two"], "--nodes"),
     (["--model", "gpt2", "--global-batch", "-1"], "--global-batch"),
     (["--model", "mlp", "--activation-checkpointing"], "--activation-checkpointing"),
+    (["--set", "train.lr=1", "--model", "gpt"], "--set"),  # --set overrides a CONFIG's fields: none here
+    (["--model", "mlp", "--lora-r", "4"], "--lora-r"),  # the flag typed, not model.lora
+    (["--model", "mlp", "--lora-r", "4", "--lora-targets", "q_proj"], "--lora-r"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, flag):
     full = [*args] + ([] if any(a.startswith("--device-mem") for a in args) or args == ["--model", "gpt2"]
@@ -335,6 +368,24 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, flag):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {flag} = "), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cli_set_applies_with_a_config_only(tmp_path, capsys):
+    from raytrain_platform.cli import main
+
+    cfg = {"model": {"name": "gpt", "kwargs": GPT_SMALL}, "data": {"source": "text", "batch_size": 8},
+           "train": {"max_steps": 5}, "run": {"name": "p"}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["plan", str(path), "--set", "model.kwargs.n_layer=5", "--device-mem", "1GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["num_params"] == GPTSpec(**{**GPT_SMALL, "n_layer": 5}).num_params()
+    # Without a CONFIG there is nothing to override: one line naming --set, not a plan.
+    assert main(["plan", "--set", "model.kwargs.n_layer=5", "--model", "gpt", "--device-mem", "1GiB",
+                 "--global-batch", "8"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --set = 'model.kwargs.n_layer=5': expected set only with a CONFIG (without one, give the "
+        "model and the run with --model, --layers, --precision, ...)"]
 
 
 def test_cli_argparse_errors_are_one_line_too():

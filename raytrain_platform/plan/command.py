@@ -185,6 +185,9 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
     if args.config:
         shape, defaults = _from_config(args)
     else:
+        if args.overrides:  # nothing to override: the flags describe the model and the run
+            raise ConfigError("--set", args.overrides[0], "set only with a CONFIG (without one, give the "
+                              "model and the run with --model, --layers, --precision, ...)")
         shape, defaults = _shape_from_flags(args), {}
         if args.model and args.model.startswith("hf:"):  # a Hugging Face folder: what its family runs
             defaults["refused"] = refused_splits(get_family("hf"), {"path": args.model[len("hf:"):]}, shape)
@@ -229,10 +232,12 @@ def _lora(args: argparse.Namespace, shape: ModelShape, defaults: dict) -> LoraSi
     assert r is not None, "args.lora_r is set"
     try:
         return lora_size(shape, r=r, targets=targets)
-    except ConfigError as exc:
-        if exc.field != "model.lora.target_modules":
-            raise
-        raise ConfigError("--lora-targets", exc.value, exc.allowed) from None
+    except ConfigError as exc:  # lora_size names model.lora's fields: name the flags typed instead
+        if exc.field == "model.lora.target_modules":
+            raise ConfigError("--lora-targets", exc.value, exc.allowed) from None
+        if exc.field == "model.lora":  # a model without LoRA's Linear layers (an mlp)
+            raise ConfigError("--lora-r", args.lora_r, exc.allowed) from None
+        raise
 
 
 def _fmt(n: int) -> str:

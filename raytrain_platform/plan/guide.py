@@ -25,6 +25,7 @@ On several nodes FSDP and TP x FSDP shard within a node and replicate across nod
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -122,9 +123,12 @@ class Plan:
         return next(o for o in self.options if o.strategy == strategy)
 
 
-def _divisors(n: int) -> list[int]:
+@functools.lru_cache(maxsize=64)
+def _divisors(n: int) -> tuple[int, ...]:
+    """Ascending. Cached: a plan asks for the same device counts and batches several
+    times (its options, and the plans of its warnings), up to 10**12 devices."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    return tuple(sorted(set(small + [n // d for d in small])))
 
 
 def _fit(req: PlanRequest, *, dp: int, tp: int = 1, pp: int = 1, shard: int = 1,
@@ -132,19 +136,31 @@ def _fit(req: PlanRequest, *, dp: int, tp: int = 1, pp: int = 1, shard: int = 1,
     """The largest micro-batch (a divisor of the per-replica batch) that fits; if none
     does, micro-batch 1 with fits=False."""
     per_replica = math.ceil(req.global_batch / dp)
-    candidates = sorted(_divisors(per_replica), reverse=True) if accumulate else [per_replica]
-    result = None
-    for micro in candidates:
+
+    def estimate(micro: int) -> tuple[Layout, MemoryEstimate, bool]:
         layout = Layout(dp=dp, tp=tp, pp=pp, shard=shard, micro_batch=micro,
                         micro_batches=per_replica // micro)
         est = estimate_memory(model=req.model, layout=layout, precision=req.precision,
                               optimizer=req.optimizer,
                               activation_checkpointing=req.activation_checkpointing, lora=req.lora)
-        if est.total <= req.budget:
-            return layout, est, True
-        result = (layout, est, False)
-    assert result is not None
-    return result
+        return layout, est, est.total <= req.budget
+
+    if not accumulate:
+        return estimate(per_replica)
+    # Micro-batch 1 first: no micro-batch b needs less (each block's activations of b
+    # sequences are at least b times those of one, and at most b times fewer of them are
+    # in flight), so if 1 does not fit, none does and the answer is 1 -- one estimate,
+    # not one per divisor, for each of the many degrees a search may try.
+    smallest = estimate(1)
+    if not smallest[2]:
+        return smallest
+    for micro in reversed(_divisors(per_replica)):
+        if micro == 1:
+            return smallest
+        fit = estimate(micro)
+        if fit[2]:
+            return fit
+    raise AssertionError("1 divides every batch")  # pragma: no cover
 
 
 def _tp_degrees(req: PlanRequest) -> list[int]:

@@ -60,7 +60,6 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from raytrain_platform.errors import ConfigError
-from raytrain_platform.parallel.dims import stage_blocks
 from raytrain_platform.plan.lora import LoraSize
 from raytrain_platform.plan.shapes import ModelShape
 
@@ -157,21 +156,51 @@ def rank_part(model: ModelShape, layout: Layout, pp_rank: int = 0) -> RankPart:
     """
     if not 0 <= pp_rank < layout.pp:
         raise ConfigError("pp_rank", pp_rank, f"a pipeline rank from 0 to {layout.pp - 1}")
+    _check_stages(model, layout)
+    return _part(model, layout, pp_rank)
+
+
+def _check_stages(model: ModelShape, layout: Layout) -> None:
+    """The layout's stages can split `model` (checked once per layout: O(stages))."""
     if model.kind != "transformer":
         if layout.tp > 1 or layout.stages > 1:
             raise ConfigError("layout", f"tp={layout.tp}, pp={layout.pp}",
                               f"tp=1 and pp=1 for a {model.kind} model (TP and PP split transformer blocks)")
-        return RankPart(blocks=0, first=True, last=True)  # an mlp's parameters are all "first"
+        return
     if model.n_layer < layout.stages:
         raise ConfigError("layout.pp", layout.pp, f"at most {model.n_layer} pipeline stages in all "
                           f"(the model's blocks; {layout.stages_per_rank} stage(s) per rank)")
-    split = list(layout.pp_split) if layout.pp_split else None
-    if split and sum(split) != model.n_layer:
-        raise ConfigError("layout.pp_split", split,
+    if layout.pp_split and sum(layout.pp_split) != model.n_layer:
+        raise ConfigError("layout.pp_split", list(layout.pp_split),
                           f"block counts summing to the model's {model.n_layer} blocks")
-    ranges = stage_blocks(model.n_layer, layout.stages, split)
-    ids = [pp_rank + k * layout.pp for k in range(layout.stages_per_rank)]
-    return RankPart(blocks=sum(len(ranges[i]) for i in ids), first=0 in ids, last=layout.stages - 1 in ids)
+
+
+def _part(model: ModelShape, layout: Layout, pp_rank: int) -> RankPart:
+    """`rank_part` of a checked layout: the blocks of stages ``r, r + pp, ...`` as
+    `stage_blocks` counts them (balanced: ``n // stages`` each, the first ``n % stages``
+    stages one more), in O(1) when balanced, without building every stage's range
+    (the planner asks this for every layout it sizes, with up to a million stages)."""
+    if model.kind != "transformer":
+        return RankPart(blocks=0, first=True, last=True)  # an mlp's parameters are all "first"
+    ids = range(pp_rank, layout.stages, layout.pp)
+    if layout.pp_split:
+        blocks = sum(layout.pp_split[i] for i in ids)
+    else:  # of the stages r, r + pp, ..., those below `rest` take one block more
+        each, rest = divmod(model.n_layer, layout.stages)
+        blocks = len(ids) * each + len(range(pp_rank, rest, layout.pp))
+    return RankPart(blocks=blocks, first=pp_rank == 0, last=pp_rank == layout.pp - 1)
+
+
+def _heaviest_candidates(layout: Layout) -> range | list[int]:
+    """The pipeline ranks that can need the most. Balanced stages: rank 0 (embeddings),
+    rank 1 and the last rank (final norm and head). Ranks 1 .. pp-2 hold no ends, and
+    their blocks (earlier stages take the remainder) and micro-batches in flight
+    (``pp - r``) never grow with the rank, nor does any term of their estimate: rank 1
+    needs at least as much as any of them, and ``max`` keeps the first of equals, as a
+    scan of every rank would. An explicit ``pp_split``: every rank."""
+    if layout.pp_split:
+        return range(layout.pp)
+    return sorted({0, min(1, layout.pp - 1), layout.pp - 1})
 
 
 def _tp_block_params(model: ModelShape, tp: int) -> int:
@@ -195,7 +224,10 @@ def _ends(model: ModelShape, part: RankPart, tp: int) -> tuple[int, int]:
 
 def rank_params(model: ModelShape, layout: Layout, pp_rank: int = 0) -> tuple[int, int]:
     """(parameters, parameter tensors) of pipeline rank `pp_rank` on one TP rank, before FSDP."""
-    part = rank_part(model, layout, pp_rank)
+    return _part_params(model, layout, rank_part(model, layout, pp_rank))
+
+
+def _part_params(model: ModelShape, layout: Layout, part: RankPart) -> tuple[int, int]:
     if model.kind != "transformer":
         return model.num_params, model.num_tensors
     ends, end_tensors = _ends(model, part, layout.tp)
@@ -203,9 +235,9 @@ def rank_params(model: ModelShape, layout: Layout, pp_rank: int = 0) -> tuple[in
     return blocks + ends, part.blocks * model.layer_tensors + end_tensors
 
 
-def _state_bytes(model: ModelShape, layout: Layout, pp_rank: int, optimizer: str,
+def _state_bytes(model: ModelShape, layout: Layout, part: RankPart, optimizer: str,
                  momentum: float, lora: LoraSize | None = None) -> tuple[int, int, int, int]:
-    params, tensors = rank_params(model, layout, pp_rank)
+    params, tensors = _part_params(model, layout, part)
     if lora is not None:  # the base and the adapters held; only the adapters train (plan/lora.py)
         params, tensors = params + lora.params, lora.tensors
     local = math.ceil(params / layout.shard)
@@ -246,13 +278,12 @@ def _mlp_activations(model: ModelShape, b: int, e: int) -> int:
     return linear_inputs + sum(hidden) * b * (e + mask) + 4 * b * widths[-1]
 
 
-def _activations(model: ModelShape, layout: Layout, pp_rank: int, e: int, r: int,
+def _activations(model: ModelShape, layout: Layout, pp_rank: int, part: RankPart, e: int, r: int,
                  checkpointing: bool) -> tuple[int, int]:
     """(activation bytes, of them the block live again during its recompute)."""
     b = layout.micro_batch
     if model.kind == "dense":
         return _mlp_activations(model, b, e), 0
-    part = rank_part(model, layout, pp_rank)
     full_block = _block_activations(model, b, layout.tp, e, r)
     if checkpointing:
         # Only block inputs are kept; one block is live again while it is recomputed.
@@ -264,7 +295,7 @@ def _activations(model: ModelShape, layout: Layout, pp_rank: int, e: int, r: int
     return acts + (_head_activations(model, b, e, r) if part.last else 0), live
 
 
-def _overhead(model: ModelShape, layout: Layout, pp_rank: int, precision: str,
+def _overhead(model: ModelShape, layout: Layout, part: RankPart, precision: str,
               local_params: int, lora: LoraSize | None = None) -> list[tuple[str, int]]:
     parts: list[tuple[str, int]] = []
     grad = 4 if lora is None else 0  # LoRA: a frozen unit has no gradients (its adapters' are tiny)
@@ -273,7 +304,7 @@ def _overhead(model: ModelShape, layout: Layout, pp_rank: int, precision: str,
         # (embeddings, head) gathered; a unit's full gradients exist until reduce-scatter.
         gather = 2 if precision == "bf16" else 4
         if model.kind == "transformer":
-            ends, _ = _ends(model, rank_part(model, layout, pp_rank), layout.tp)
+            ends, _ = _ends(model, part, layout.tp)
             fsdp = _tp_block_params(model, layout.tp) * (2 * gather + grad) + ends * gather
         else:  # no blocks: the whole model is the one (root) unit
             fsdp = model.num_params * (gather + 4)
@@ -285,14 +316,13 @@ def _overhead(model: ModelShape, layout: Layout, pp_rank: int, precision: str,
         parts.append((name, 4 * (local_params if lora is None else lora.params)))
     if precision == "bf16" and layout.shard == 1:
         # Autocast's bf16 copies of matmul weights, saved for backward.
-        parts.append(("bf16_weight_copies", 2 * _local_matmul_params(model, layout, pp_rank)))
+        parts.append(("bf16_weight_copies", 2 * _local_matmul_params(model, layout, part)))
     return parts
 
 
-def _local_matmul_params(model: ModelShape, layout: Layout, pp_rank: int) -> int:
+def _local_matmul_params(model: ModelShape, layout: Layout, part: RankPart) -> int:
     if model.kind == "dense":
         return model.last_matmul_params
-    part = rank_part(model, layout, pp_rank)
     head = -(-model.last_matmul_params // layout.tp) if part.last else 0
     return part.blocks * model.layer_matmul_params // layout.tp + head
 
@@ -300,11 +330,12 @@ def _local_matmul_params(model: ModelShape, layout: Layout, pp_rank: int) -> int
 def _estimate_rank(model: ModelShape, layout: Layout, pp_rank: int, precision: str, optimizer: str,
                    momentum: float, activation_checkpointing: bool,
                    lora: LoraSize | None = None) -> MemoryEstimate:
-    params, grads, opt, local = _state_bytes(model, layout, pp_rank, optimizer, momentum, lora)
+    part = _part(model, layout, pp_rank)
+    params, grads, opt, local = _state_bytes(model, layout, part, optimizer, momentum, lora)
     e = 2 if precision == "bf16" else 4
     r = 4  # the residual stream stays fp32 under autocast
-    acts, recomputed = _activations(model, layout, pp_rank, e, r, activation_checkpointing)
-    parts = _overhead(model, layout, pp_rank, precision, local, lora)
+    acts, recomputed = _activations(model, layout, pp_rank, part, e, r, activation_checkpointing)
+    parts = _overhead(model, layout, part, precision, local, lora)
     return MemoryEstimate(params=params, grads=grads, optimizer=opt, activations=acts,
                           overhead=sum(b for _, b in parts), local_params=local,
                           overhead_parts=tuple(parts), pp_rank=pp_rank, recomputed=recomputed)
@@ -337,6 +368,9 @@ def estimate_memory(*, model: ModelShape, layout: Layout, precision: str = "fp32
         raise ConfigError("--activation-checkpointing", True, "off for an mlp (it checkpoints transformer blocks)")
     if lora is not None and layout.tp * layout.pp > 1:
         raise ConfigError("layout", f"tp={layout.tp}, pp={layout.pp}", "tp=1 and pp=1 with LoRA (DDP or FSDP)")
-    ranks = range(layout.pp) if pp_rank is None else [pp_rank]
+    if pp_rank is not None and not 0 <= pp_rank < layout.pp:
+        raise ConfigError("pp_rank", pp_rank, f"a pipeline rank from 0 to {layout.pp - 1}")
+    _check_stages(model, layout)
+    ranks = _heaviest_candidates(layout) if pp_rank is None else [pp_rank]
     return max((_estimate_rank(model, layout, rank, precision, optimizer, momentum, activation_checkpointing, lora)
                 for rank in ranks), key=lambda est: est.total)
