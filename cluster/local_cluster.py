@@ -19,7 +19,6 @@ socket paths live under it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -29,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from raytrain_platform.errors import OneLineParser  # argument errors: one line, exit 2
 
 STATE = "cluster.json"
 _PROCS: dict[int, subprocess.Popen] = {}  # nodes this process started: exit codes without zombies
@@ -50,10 +51,21 @@ def _ray_bin() -> str:
 
 def _env() -> dict:
     # The job's `python` is looked up on the node's PATH: this environment's first.
-    # Ray 2.60 turns on token authentication for clusters from `ray start`: every node
-    # and client presents the token (~/.ray/auth_token, made by the head if missing).
+    # Token authentication (Ray 2.60): every node and client presents ~/.ray/auth_token,
+    # which `ensure_token` makes before the head starts (`ray start` never makes one).
     return {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token",
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def ensure_token() -> Path:
+    """~/.ray/auth_token, made if there is none yet (`ray get-auth-token --generate`):
+    `ray start` with RAY_AUTH_MODE=token refuses to start without one."""
+    proc = subprocess.run([_ray_bin(), "get-auth-token", "--generate"], env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: ray get-auth-token --generate failed: "
+                         f"{(proc.stderr.strip().splitlines() or ['exit ' + str(proc.returncode)])[-1]}")
+    return Path.home() / ".ray" / "auth_token"
 
 
 def _node_ports(index: int) -> list[str]:
@@ -156,6 +168,7 @@ def up(root: Path, workers: int, cpus: int, head_cpus: int, timeout_s: float = 1
             raise SystemExit(f"error: a cluster from {root / STATE} is still running; "
                              f"`down --dir {root}` first")
     root.mkdir(parents=True, exist_ok=True)
+    ensure_token()
     port, dash = _free_port(), _free_port()
     head = _spawn("head", ["--head", f"--port={port}", f"--num-cpus={head_cpus}",
                            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
@@ -206,7 +219,7 @@ def remove_node(root: Path, index: int, graceful: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="cluster/local_cluster.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="start a head and N worker nodes on 127.0.0.1")
     p_up.add_argument("--dir", required=True, type=Path, help="state, logs and each node's temp dir (short path)")

@@ -106,13 +106,15 @@ def _assert_same_losses(got: list[tuple[int, float]], want: list[tuple[int, floa
 
 def test_ray_job_submit_trains_across_two_nodes(cluster, tmp_path):
     """`ray job submit` of the quickstart pipeline; SPREAD puts its two workers on the
-    two worker nodes (the node ids they report), checkpoints land in shared storage."""
+    two worker nodes (the node ids they report), checkpoints land in shared storage. The
+    job's own runtime_env sets variables the driver's would too (Ray refused the merge)."""
     storage, job_id = tmp_path / "runs", f"rtp-nodes-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": cluster["dashboard"]}
     submit = subprocess.run(
         [str(BIN / "ray"), "job", "submit", "--address", cluster["dashboard"], "--submission-id", job_id,
-         "--working-dir", str(ROOT), "--",
-         "python", "pipelines/train.py", "--config", "pipelines/configs/quickstart.yaml",
+         "--working-dir", str(ROOT), "--runtime-env-json",
+         json.dumps({"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RTP_CACHE_DIR": str(tmp_path / "cache")}}),
+         "--", "python", "pipelines/train.py", "--config", "pipelines/configs/quickstart.yaml",
          "--set", f"run.storage_path={storage}", "--set", "train.max_steps=6",
          "--set", "run.eval_every=3", "--set", "run.checkpoint_every=3", "--set", "data.max_files=40",
          "--set", "scaling.placement_strategy=SPREAD"],

@@ -196,3 +196,94 @@ def test_dockerfile_matches_the_cluster():
     for line in re.findall(r"^COPY (.+)$", text, re.MULTILINE):
         *sources, _dest = [p for p in line.split() if not p.startswith("--")]
         assert all((ROOT / s).exists() for s in sources), line
+
+
+def test_a_submitted_jobs_own_env_vars_are_left_to_it(monkeypatch):
+    """`ray job submit --runtime-env-json '{"env_vars": {"RTP_CACHE_DIR": ...}}'`: the
+    driver's runtime_env set the same variables again, and Ray's merge (run here as
+    `ray.init` runs it inside a job) refused the pair, so the job failed."""
+    import json
+
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+    from ray.runtime_env.runtime_env import _merge_runtime_env
+
+    from raytrain_platform.launch.trainer import JOB_ENV, driver_runtime_env
+
+    monkeypatch.setenv("RTP_CACHE_DIR", "/tmp/driver-cache")
+    job = {"working_dir": ".", "env_vars": {"RTP_CACHE_DIR": "/mnt/shared/cache", "TOKENIZERS_PARALLELISM": "true"}}
+    monkeypatch.setenv(RAY_JOB_CONFIG_JSON_ENV_VAR, json.dumps({"runtime_env": job}))
+    merged = _merge_runtime_env(job, driver_runtime_env())
+    assert merged is not None
+    assert merged["env_vars"] == {**JOB_ENV, **job["env_vars"]}  # the user's values stand
+    monkeypatch.delenv(RAY_JOB_CONFIG_JSON_ENV_VAR)  # outside a job: every variable of the driver's
+    assert driver_runtime_env() == {"env_vars": {**JOB_ENV, "RTP_CACHE_DIR": "/tmp/driver-cache"}}
+
+
+def test_local_cluster_makes_the_token_a_fresh_machine_lacks(tmp_path):
+    """`ray start --head` with RAY_AUTH_MODE=token never makes a token: `up` on a machine
+    where nothing had made ~/.ray/auth_token failed. `ensure_token` makes it once and
+    keeps it after."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; sys.path.insert(0, 'cluster'); import local_cluster; print(local_cluster.ensure_token())"
+    env = {**os.environ, "HOME": str(tmp_path)}
+    token, texts = tmp_path / ".ray" / "auth_token", []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert run.stdout.strip() == str(token), run.stderr[-500:]
+        texts.append(token.read_text())
+    assert len(texts[0].strip()) >= 32 and texts[1] == texts[0]  # kept: every node and client presents it
+
+
+def test_aws_sync_keeps_every_tracked_file_but_the_run_outputs():
+    """rsync reads an unanchored `data` as any folder named data: the package's own
+    raytrain_platform/data/ was left off every node."""
+    import subprocess
+
+    excluded = _load(LAUNCHER)["rsync_exclude"]
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert tracked and all(p.startswith("/") or p.startswith("**/") for p in excluded), excluded
+    anchored = [p.strip("/") for p in excluded if p.startswith("/")]
+    assert not [f for f in tracked if f.split("/")[0] in anchored]
+    assert {"data", "runs", "sweeps", "exported"} <= set(anchored)
+
+
+def test_the_kuberay_job_installs_every_dependency_rays_image_lacks():
+    """cluster/README.md's `ray job submit` pip list left out transformers, peft, mlflow
+    and the rest: an hf, LoRA or tracked run failed on import on the cluster."""
+    import json
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    wanted = {re.split(r"[<>=\[ ;]", d)[0].lower() for d in deps} - {"ray", "pyyaml"}  # pyyaml: Ray's own
+    text = (CLUSTER / "README.md").read_text()
+    (pip,) = re.findall(r"--runtime-env-json '(\{\"pip\".*?\})'", text, re.DOTALL)
+    listed = {re.split(r"[<>=\[ ]", p)[0].lower() for p in json.loads(pip)["pip"]}
+    assert wanted <= listed, sorted(wanted - listed)
+
+
+def test_a_job_is_warned_when_its_runs_would_land_in_its_copy_of_the_working_dir(tmp_path, monkeypatch, capsys):
+    """Inside `ray job submit --working-dir .`, the default `./runs` resolved into Ray's
+    temporary copy of the checkout: the runs were lost with it, silently."""
+    import json
+
+    import yaml
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    from conftest import mlp_config
+    from raytrain_platform.launch.trainer import prepare
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(mlp_config(tmp_path, "job")))
+    monkeypatch.setenv(RAY_JOB_CONFIG_JSON_ENV_VAR, json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg.zip"}}))
+    prepare("c.yaml", ["run.storage_path=./runs"])
+    err = capsys.readouterr().err
+    assert err.startswith("warning: run.storage_path = ") and "copy of its working_dir" in err
+    assert len(err.splitlines()) == 1
+    prepare("c.yaml", [f"run.storage_path={tmp_path.parent / 'shared'}"])  # outside the copy: nothing said
+    monkeypatch.delenv(RAY_JOB_CONFIG_JSON_ENV_VAR)  # not a job: nothing said
+    prepare("c.yaml", ["run.storage_path=./runs"])
+    assert capsys.readouterr().err == ""

@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -63,7 +65,19 @@ def prepare(config: Any, overrides: list[str] | None = None,
     cfg = cfg.replace({key: os.path.abspath(os.path.expanduser(value))
                        for key, value in local_paths.items() if value and "://" not in value})
     check_storage(cfg.run.storage_path)
+    _warn_if_inside_the_jobs_copy(cfg.run.storage_path)
     return resolve_job(cfg, hardware)
+
+
+def _warn_if_inside_the_jobs_copy(storage_path: str) -> None:
+    """A submitted job runs in Ray's copy of its ``--working-dir``, deleted with the job's
+    files and renamed whenever the code changes: run directories there are lost, and a
+    rerun does not resume. Said once, on stderr; the run goes on (a test may want it)."""
+    if "://" in storage_path or not _submitted_runtime_env().get("working_dir"):
+        return
+    if Path(storage_path).resolve().is_relative_to(Path.cwd().resolve()):
+        print(f"warning: run.storage_path = {storage_path!r} is inside this job's copy of its working_dir, "
+              "which Ray deletes: set run.storage_path to shared storage", file=sys.stderr, flush=True)
 
 
 def format_progress(m: dict, total: int) -> str:
@@ -116,11 +130,40 @@ def init_ray(address: str | None, verbose: bool, *, env_vars: dict[str, str] | N
         return
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict = {"log_to_driver": verbose, "logging_level": "INFO" if verbose else "WARNING",
-                    "runtime_env": {"env_vars": {**(JOB_ENV if env_vars is None else env_vars), **_cache_env()}}}
+                    "runtime_env": driver_runtime_env(env_vars)}
     if address:
         ray.init(address=address, **kwargs)
     else:
         _start_embedded_ray(kwargs)
+
+
+def driver_runtime_env(env_vars: dict[str, str] | None = None) -> dict:
+    """The runtime_env `init_ray` gives the job's processes: `env_vars` (default
+    `JOB_ENV`) and the token cache's, less any a submitted job's own runtime_env sets
+    (Ray refuses a driver's runtime_env that sets one of them again; the user's value
+    stands)."""
+    ours = {**(JOB_ENV if env_vars is None else env_vars), **_cache_env()}
+    theirs = _submitted_env_vars()
+    return {"env_vars": {k: v for k, v in ours.items() if k not in theirs}}
+
+
+def _submitted_env_vars() -> set[str]:
+    """The environment variables a submitted job's own runtime_env sets (``ray job submit
+    --runtime-env-json '{"env_vars": {...}}'``; none outside a job): they already reach
+    every process of the job, with the values the user chose."""
+    env = _submitted_runtime_env().get("env_vars")
+    return set(env) if isinstance(env, dict) else set()
+
+
+def _submitted_runtime_env() -> dict:
+    """A submitted job's runtime_env, as Ray hands it to the job's driver (empty outside
+    a job, or where it is not a mapping: `ray.init` judges that)."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # ray._private.runtime_env.constants
+    try:
+        env = (json.loads(raw) or {}).get("runtime_env") if raw else None
+    except (ValueError, AttributeError):
+        return {}
+    return env if isinstance(env, dict) else {}
 
 
 def _free_port() -> int:
