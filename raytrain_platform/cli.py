@@ -146,11 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_train)
     p = sub.add_parser("make-data", help="write a synthetic tabular dataset as Parquet")
     p.add_argument("out", help="folder to write (new or empty)")
-    p.add_argument("--rows", type=int, default=20_000)
-    p.add_argument("--features", type=int, default=16)
-    p.add_argument("--classes", type=int, default=4)
-    p.add_argument("--files", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", type=int, default=20_000, help="1 to 100,000,000 (default 20000)")
+    p.add_argument("--features", type=int, default=16, help="1 to 10,000 float32 columns (default 16)")
+    p.add_argument("--classes", type=int, default=4, help="2 to 10,000 label values (default 4)")
+    p.add_argument("--files", type=int, default=4, help="1 to 10,000 and at most --rows (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="0 to 2**32 - 1 (default 0)")
     p.set_defaults(fn=_cmd_make_data)
     p = sub.add_parser("export", help="consolidate a checkpoint into one safetensors file for serving")
     p.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
@@ -198,12 +198,23 @@ def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> i
 
 
 def job_entry(command: str, file_flag: str, argv: list[str] | None = None) -> int:
-    """What pipelines/*.py run under `ray job submit`: ``FILE_FLAG FILE [...]`` (it reads
-    better in a job's command line) as ``rtp COMMAND FILE [...]``."""
+    """What pipelines/*.py run under `ray job submit`: ``FILE_FLAG FILE`` or
+    ``FILE_FLAG=FILE`` (it reads better in a job's command line) as ``rtp COMMAND FILE``;
+    without it, one line naming the flag (exit 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if file_flag in argv:
-        i = argv.index(file_flag)
-        argv = argv[:i] + argv[i + 1:i + 2] + argv[i + 2:]
+    for i, arg in enumerate(argv):
+        if arg == file_flag and i + 1 < len(argv):
+            argv = argv[:i] + argv[i + 1:]
+            break
+        if arg.startswith(file_flag + "=") and len(arg) > len(file_flag) + 1:
+            argv = argv[:i] + [arg[len(file_flag) + 1:]] + argv[i + 1:]
+            break
+    else:
+        if {"-h", "--help"} & set(argv):
+            return main([command, "--help"])
+        print(f"error: the following arguments are required: {file_flag} FILE "
+              f"(see rtp {command} --help, whose CONFIG it is)", file=sys.stderr)
+        return 2
     return main([command, *argv])
 
 

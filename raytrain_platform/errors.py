@@ -7,12 +7,19 @@ layer turns them into a 4xx. Nothing here imports torch or Ray.
 from __future__ import annotations
 
 import argparse
+import errno
 import re
 import sys
 from typing import NoReturn, TypeVar
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "NonFiniteError", "OneLineParser", "UserError",
+__all__ = ["CheckpointError", "ConfigError", "DataError", "NonFiniteError", "OneLineParser", "PATH_ERRNOS", "UserError",
            "describe_error", "first_line", "root_cause", "user_cause"]
+
+
+# An OSError with one of these, writing where the user said, is a bad path (exit 2), not a
+# failed run.
+PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR,
+                         errno.EEXIST, errno.ENAMETOOLONG})
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -379,3 +379,23 @@ def test_a_jsonl_uri_pyarrow_cannot_read_is_one_error():
     spec = JsonlSpec(path="nope://bucket/x", format="text", tokenizer="unused", seq_len=9, val_fraction=0.0)
     with pytest.raises(DataError, match=r"^data.path = 'nope://bucket/x': not a readable path or filesystem URI"):
         jsonl_files(spec)
+
+
+@pytest.mark.parametrize("argv", [["--config=pipelines/configs/quickstart.yaml"],
+                                  ["--config", "pipelines/configs/quickstart.yaml"]])
+def test_a_job_entry_takes_its_file_flag_either_way(argv, capsys):
+    """`python pipelines/train.py --config=FILE` (the form of many job launchers) was
+    refused, naming rtp train's positional CONFIG."""
+    from raytrain_platform.cli import job_entry
+
+    assert job_entry("validate", "--config", [*argv, "--set", "train.max_steps=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: train.max_steps = 0") and len(err.splitlines()) == 1, err
+
+
+def test_a_job_entry_without_its_file_flag_names_it(capsys):
+    from raytrain_platform.cli import job_entry
+
+    assert job_entry("train", "--config", ["--set", "train.lr=1"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: the following arguments are required: --config FILE "
+                                                "(see rtp train --help, whose CONFIG it is)")

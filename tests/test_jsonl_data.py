@@ -177,7 +177,7 @@ def test_cli_rejects_bad_args_in_one_line(capsys, tmp_path):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert tiny_llm.main([out, "--heads", "3"]) == 2  # 64 is not divisible by 3
     err = capsys.readouterr().err.strip()
-    assert "num_heads = 3" in err and len(err.splitlines()) == 1
+    assert "--heads = 3" in err and len(err.splitlines()) == 1
     assert tiny_llm.main([out, "--samples", "10000000"]) == 2  # more than the stdlib's docstrings
     err = capsys.readouterr().err.strip()
     assert "samples = 10000000" in err and "at most" in err and len(err.splitlines()) == 1

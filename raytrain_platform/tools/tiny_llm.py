@@ -31,9 +31,9 @@ import re
 import sys
 import sysconfig
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Mapping
 
-from raytrain_platform.errors import ConfigError, OneLineParser, UserError
+from raytrain_platform.errors import PATH_ERRNOS, ConfigError, OneLineParser, UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -181,24 +181,51 @@ def _model_config(arch: str, **kw):
 
 
 def _check_model_args(*, arch: str = "llama", hidden_size: int = 64, num_layers: int = 2,
-                      num_heads: int = 4, num_kv_heads: int = 2, dtype: str = "float32",
-                      max_shard_size: str | None = None, **_: object) -> None:
+                      num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                      max_position_embeddings: int = 256, dtype: str = "float32",
+                      max_shard_size: str | None = None, names: Mapping[str, str] | None = None,
+                      **_: object) -> None:
     """ConfigError for a bad model shape, before anything is written (defaults mirror
-    `make_model`'s)."""
+    `make_model`'s). `names` maps a parameter to the name the message gives it (the
+    CLI's flags); by default the parameter's own name."""
+    def n(field: str) -> str:
+        return (names or {}).get(field, field)
+
     if arch not in ARCHS:
-        raise ConfigError("arch", arch, f"one of {', '.join(ARCHS)}")
+        raise ConfigError(n("arch"), arch, f"one of {', '.join(ARCHS)}")
     for field, value in (("hidden_size", hidden_size), ("num_layers", num_layers),
-                         ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if not (isinstance(value, int) and value >= 1):
-            raise ConfigError(field, value, "an integer >= 1")
+                         ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                         ("intermediate_size", intermediate_size),
+                         ("max_position_embeddings", max_position_embeddings)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ConfigError(n(field), value, "an integer >= 1")
     if hidden_size % num_heads:
-        raise ConfigError("num_heads", num_heads, f"a divisor of hidden_size {hidden_size}")
+        raise ConfigError(n("num_heads"), num_heads, f"a divisor of {n('hidden_size')} ({hidden_size})")
     if num_heads % num_kv_heads:
-        raise ConfigError("num_kv_heads", num_kv_heads, f"a divisor of num_heads {num_heads}")
+        raise ConfigError(n("num_kv_heads"), num_kv_heads, f"a divisor of {n('num_heads')} ({num_heads})")
     if dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError("dtype", dtype, "one of float32, bfloat16, float16")
+        raise ConfigError(n("dtype"), dtype, "one of float32, bfloat16, float16")
     if max_shard_size is not None and not re.fullmatch(r"\d+(KB|MB|GB|KiB|MiB|GiB)", str(max_shard_size)):
-        raise ConfigError("max_shard_size", max_shard_size, "a size like 200KB, 5MB or 1GiB")
+        raise ConfigError(n("max_shard_size"), max_shard_size, "a size like 200KB, 5MB or 1GiB")
+
+
+def _check_out(out: Path, name: str) -> None:
+    """ConfigError unless `out` can hold model/ and data/ folders: no file in their way,
+    and this user may write where they go (checked before anything is written)."""
+    subdirs = (out / "model", out / "data")
+    try:
+        for path in (out, *subdirs):
+            if path.exists() and not path.is_dir():
+                raise ConfigError(name, str(out), f"a folder ({path} is a file)")
+        base = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+        if not base.is_dir():
+            raise ConfigError(name, str(out), f"a path inside a folder ({base} is a file)")
+        for sub in subdirs:
+            where = sub if sub.is_dir() else base
+            if not os.access(where, os.W_OK | os.X_OK):
+                raise ConfigError(name, str(out), f"a folder this user may write ({where} is not writable)")
+    except OSError as exc:  # e.g. a parent that cannot be searched
+        raise ConfigError(name, str(out), f"a folder this user may write ({exc.strerror or exc})") from None
 
 
 def _save_kwargs(model, max_shard_size: str | None) -> dict:
@@ -222,7 +249,8 @@ def make_model(out_dir: str | Path, *, arch: str = "llama", vocab_size: int, hid
     from transformers import AutoModelForCausalLM
 
     _check_model_args(arch=arch, hidden_size=hidden_size, num_layers=num_layers,
-                      num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype,
+                      num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                      max_position_embeddings=max_position_embeddings, dtype=dtype,
                       max_shard_size=max_shard_size)
     config = _model_config(
         arch, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
@@ -270,14 +298,30 @@ def make_instruction_jsonl(out_dir: str | Path, *, n: int = 2000, seed: int = 0)
     }
 
 
+def _check_all(out: str | Path, *, samples: int, vocab_size: int, names: Mapping[str, str] | None = None,
+               **model_kw) -> None:
+    """Every argument of `make_all`, before anything is written: ConfigError, named by
+    `names` (see `_check_model_args`), for the first bad one."""
+    def n(field: str) -> str:
+        return (names or {}).get(field, field)
+
+    _check_model_args(names=names, **model_kw)
+    if not (isinstance(vocab_size, int) and vocab_size >= 300):
+        raise ConfigError(n("vocab_size"), vocab_size, "an integer >= 300 (256 bytes + specials + merges)")
+    if not (isinstance(samples, int) and not isinstance(samples, bool) and samples >= 1):
+        raise ConfigError(n("samples"), samples, "an integer >= 1")
+    try:
+        _qa_pairs(samples)  # enough docstrings? (cached for make_instruction_jsonl)
+    except ConfigError as exc:
+        raise ConfigError(n("samples"), exc.value, exc.allowed) from None
+    _check_out(Path(out), n("out"))
+
+
 def make_all(out: str | Path, *, arch: str = "llama", samples: int = 2000, vocab_size: int = 512,
              **model_kw) -> dict[str, Path]:
     """Write a tokenizer and model into ``out/model/`` (one folder, the Hugging Face
     layout) and instruction data into ``out/data/``; returns every path written."""
-    _check_model_args(arch=arch, **model_kw)  # fail before writing anything
-    if not (isinstance(samples, int) and samples >= 1):
-        raise ConfigError("samples", samples, "an integer >= 1")
-    _qa_pairs(samples)  # enough docstrings? (cached for make_instruction_jsonl)
+    _check_all(out, arch=arch, samples=samples, vocab_size=vocab_size, **model_kw)  # fail before writing
     out = Path(out)
     model_dir = out / "model"
     tok = make_tokenizer(model_dir, vocab_size=vocab_size)
@@ -307,16 +351,34 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# What the CLI's messages call each argument of `make_all`.
+_FLAGS = {"arch": "--arch", "num_layers": "--layers", "hidden_size": "--hidden",
+          "num_heads": "--heads", "num_kv_heads": "--kv-heads", "intermediate_size": "--intermediate",
+          "samples": "--samples", "max_shard_size": "--max-shard-size"}
+
+
+def _under(path: str | bytes, folder: Path) -> bool:
+    """Whether `path` (an OSError's filename) lies in `folder`."""
+    return Path(os.fsdecode(path)).absolute().is_relative_to(folder.absolute())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    kw = dict(arch=args.arch, samples=args.samples, vocab_size=512, num_layers=args.layers,
+              hidden_size=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads,
+              intermediate_size=2 * args.hidden if args.intermediate is None else args.intermediate,
+              max_shard_size=args.max_shard_size)
     try:
-        paths = make_all(args.out, arch=args.arch, samples=args.samples, num_layers=args.layers,
-                         hidden_size=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                         intermediate_size=args.intermediate or 2 * args.hidden,
-                         max_shard_size=args.max_shard_size)
+        _check_all(args.out, names=_FLAGS, **kw)  # the flags' names in the message
+        paths = make_all(args.out, **kw)
     except UserError as exc:
         print(f"tiny_llm: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # passed the checks, failed while writing: bad input if it is out's
+        where = exc.filename if exc.filename is not None else args.out
+        print(f"tiny_llm: error: cannot write {where}: {exc.strerror or exc}", file=sys.stderr)
+        ours = exc.errno in PATH_ERRNOS and (exc.filename is None or _under(exc.filename, Path(args.out)))
+        return 2 if ours else 1
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
