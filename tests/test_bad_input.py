@@ -65,6 +65,42 @@ def test_every_commands_argument_errors_are_one_line(capsys, argv, message):
 
 # ---- checkpoints and exports -------------------------------------------------------------
 
+@pytest.fixture
+def no_load(monkeypatch):
+    """Loading the model fails the test: --out is checked before."""
+    import raytrain_platform.export as export
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(export, "load_model_for_inference", tripwire)
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "/etc/passwd/x", "/proc/rtp-export"])
+def test_an_out_folder_that_cannot_be_created_is_refused(tmp_path, capsys, no_load, where):
+    if where.startswith("/") and not Path(where).parent.exists():
+        pytest.skip(f"{Path(where).parent} is not on this system")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    source = tmp_path / "runs" / "clf"  # never read: --out is refused first (no_load)
+    source.mkdir(parents=True)
+    out = str(a_file / "x") if where == "under_a_file" else where
+    _one_line_exit_2(["export", str(source), "--out", out], capsys,
+                     f"--out = {out!r}: expected a folder that can be created and written (")
+    assert a_file.read_text() == "keep me" and not Path(out).exists()
+
+
+def test_an_export_into_new_nested_folders_still_works(run, tmp_path, capsys):
+    """The check creates nothing; the export makes the missing folders, and a second
+    export replaces the first as a whole."""
+    out = tmp_path / "new" / "deeper" / "exp"
+    assert rtp(["export", str(run), "--out", str(out)]) == 0
+    (out / "stale.bin").write_text("from the first export")
+    assert rtp(["export", str(run), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "export.json", "model.safetensors"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["exp"]  # no staging folder left
+
+
 def _damage_state(ckpt: Path, state) -> None:
     data = json.loads((ckpt / "trainer_state.json").read_text())
     data.update(state)
