@@ -143,6 +143,7 @@ def test_raycluster_manifest():
     cluster = _load(KUBERAY / "raycluster.yaml")
     assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
     assert cluster["metadata"]["name"]
+    assert cluster["spec"]["authOptions"] == {"mode": "token"}  # the RayJob's too: the same spec
     assert _check_cluster_spec(cluster["spec"], _claim_name()) >= 1
 
 
