@@ -148,7 +148,7 @@ def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
     def plan(model, budget):
         return prepare({"model": {"name": "hf", "kwargs": {"path": str(model)}},
                         "data": {"source": "jsonl", "path": str(tiny["chat"]), "format": "chat",
-                                 "seq_len": 64, "batch_size": "auto"},
+                                 "seq_len": 64, "batch_size": "auto", "val_fraction": 0.1},
                         "train": {"max_steps": 4, "global_batch_size": 16}, "parallel": {"strategy": "auto"},
                         "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "memory_budget": budget},
                         "run": {"name": "tied", "storage_path": str(tmp_path)}}).config.parallel
