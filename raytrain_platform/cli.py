@@ -81,6 +81,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 
     from raytrain_platform.data import window_cache
     from raytrain_platform.data.token_cache import CACHE_ENV, MAX_SIZE_ENV, cache_dir, windows_limit
+    from raytrain_platform.errors import ConfigError
     from raytrain_platform.units import format_size
 
     root = cache_dir()
@@ -88,6 +89,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         why = f"{CACHE_ENV} is set empty" if os.environ.get(CACHE_ENV) == "" else f"no home folder (set {CACHE_ENV})"
         print(f"no token cache: {why}")
         return 0
+    if root.exists() and not root.is_dir():
+        raise ConfigError(CACHE_ENV, str(root), "a folder for the token cache (this is a file)")
     windows, sums = root / "token-windows", root / "token-counts"
     if args.clear:
         found = window_cache.entries(windows)

@@ -435,3 +435,12 @@ def test_a_job_entry_without_its_file_flag_names_it(capsys):
     assert job_entry("train", "--config", ["--set", "train.lr=1"]) == 2
     assert capsys.readouterr().err.strip() == ("error: the following arguments are required: --config FILE "
                                                 "(see rtp train --help, whose CONFIG it is)")
+
+
+def test_rtp_cache_refuses_a_cache_folder_that_is_a_file(tmp_path, monkeypatch, capsys):
+    """RTP_CACHE_DIR naming a file: `rtp cache` reported an empty cache, exit 0."""
+    (tmp_path / "f").write_text("not a folder")
+    monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "f"))
+    for argv in (["cache"], ["cache", "--clear"]):
+        _one_line_exit_2(argv, capsys, f"RTP_CACHE_DIR = '{tmp_path / 'f'}': expected a folder for the token cache")
+    assert (tmp_path / "f").read_text() == "not a folder"
