@@ -206,7 +206,7 @@ def job_entry(command: str, file_flag: str, argv: list[str] | None = None) -> in
     without it, one line naming the flag (exit 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     for i, arg in enumerate(argv):
-        if arg == file_flag and i + 1 < len(argv):
+        if arg == file_flag and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
             argv = argv[:i] + argv[i + 1:]
             break
         if arg.startswith(file_flag + "=") and len(arg) > len(file_flag) + 1:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import mlp_config, train_in_process
+from conftest import ROOT, mlp_config, train_in_process
 
 from raytrain_platform.cli import main as rtp
 from raytrain_platform.config import load_config
@@ -432,9 +432,10 @@ def test_a_job_entry_takes_its_file_flag_either_way(argv, capsys):
 def test_a_job_entry_without_its_file_flag_names_it(capsys):
     from raytrain_platform.cli import job_entry
 
-    assert job_entry("train", "--config", ["--set", "train.lr=1"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: the following arguments are required: --config FILE "
-                                                "(see rtp train --help, whose CONFIG it is)")
+    for argv in (["--set", "train.lr=1"], ["--config", "--set", "train.lr=1"]):
+        assert job_entry("train", "--config", argv) == 2
+        assert capsys.readouterr().err.strip() == ("error: the following arguments are required: --config FILE "
+                                                    "(see rtp train --help, whose CONFIG it is)")
 
 
 def test_rtp_cache_refuses_a_cache_folder_that_is_a_file(tmp_path, monkeypatch, capsys):
@@ -444,3 +445,22 @@ def test_rtp_cache_refuses_a_cache_folder_that_is_a_file(tmp_path, monkeypatch, 
     for argv in (["cache"], ["cache", "--clear"]):
         _one_line_exit_2(argv, capsys, f"RTP_CACHE_DIR = '{tmp_path / 'f'}': expected a folder for the token cache")
     assert (tmp_path / "f").read_text() == "not a folder"
+
+
+def test_resuming_a_checkpoint_of_the_earlier_split_says_so(copy, capsys):
+    """Checkpoints written before the split was dealt by file name (no `val_split` in
+    their layout) resumed silently, validating on samples they trained on."""
+    from raytrain_platform.core.engine import _warn_if_split_changed
+
+    ckpt = latest_checkpoint(copy)
+    text = load_config(ROOT / "pipelines" / "configs" / "quickstart.yaml")  # bytes of text files
+    _warn_if_split_changed(str(ckpt), text)  # written now: nothing to say
+    assert capsys.readouterr().err == ""
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["layout"].pop("val_split")
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    _warn_if_split_changed(str(ckpt), text)
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: {ckpt} was written before the validation split") and len(err.splitlines()) == 1
+    _warn_if_split_changed(str(ckpt), load_config(copy / "config.yaml"))  # synthetic rows: the split is as it was
+    assert capsys.readouterr().err == ""

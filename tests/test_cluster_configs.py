@@ -281,10 +281,11 @@ def test_a_job_is_warned_when_its_runs_would_land_in_its_copy_of_the_working_dir
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(mlp_config(tmp_path, "job")))
     monkeypatch.setenv(RAY_JOB_CONFIG_JSON_ENV_VAR, json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg.zip"}}))
     prepare("c.yaml", ["run.storage_path=./runs"])
+    prepare("c.yaml", ["run.storage_path=./runs", "train.lr=0.01"])  # a sweep's next trial: said once
     err = capsys.readouterr().err
     assert err.startswith("warning: run.storage_path = ") and "copy of its working_dir" in err
     assert len(err.splitlines()) == 1
     prepare("c.yaml", [f"run.storage_path={tmp_path.parent / 'shared'}"])  # outside the copy: nothing said
     monkeypatch.delenv(RAY_JOB_CONFIG_JSON_ENV_VAR)  # not a job: nothing said
-    prepare("c.yaml", ["run.storage_path=./runs"])
+    prepare("c.yaml", ["run.storage_path=./runs2"])
     assert capsys.readouterr().err == ""

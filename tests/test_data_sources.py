@@ -100,12 +100,13 @@ def _splits(spec: SourceSpec, features: tuple[str, ...]) -> dict[str, list]:
 
 
 @pytest.mark.parametrize("kind", ["text", "parquet"])
-def test_a_sample_keeps_its_split_when_files_are_added_beside_its_own(tmp_path, kind):
+@pytest.mark.parametrize("folder", ["data", "run?1"])  # a local path's "?" is no URI query
+def test_a_sample_keeps_its_split_when_files_are_added_beside_its_own(tmp_path, kind, folder):
     """The split hashed a sample's place across the sorted files: a file added ahead of
     another moved that file's samples between train and validation (validation then
     held samples an earlier run trained on). Now it hashes the file's name and the
     sample's place in it."""
-    root = tmp_path / "data"
+    root = tmp_path / folder
     if kind == "text":
         root.mkdir()
         text = Path(sources.default_text_root(), "argparse.py").read_bytes()[:60_000]

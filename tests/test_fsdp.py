@@ -196,7 +196,7 @@ def test_resume_refuses_a_position_that_does_not_map(tmp_path, base_runs):
     from raytrain_platform.errors import CheckpointError
 
     data = read_state(base_runs["fsdp"][0] / "checkpoint_000005")
-    assert data["layout"] == {"world_size": 2, "batch_size": 8, "split": True}
+    assert data["layout"] == {"world_size": 2, "batch_size": 8, "split": True, "val_split": 2}
     assert _map_position("c", data, world_size=1, batch_size=16, epoch_rows=1920) == TrainState(
         step=5, epoch=0, batches_in_epoch=5, samples_seen=80)
     with pytest.raises(CheckpointError, match="not a whole number of rounds"):

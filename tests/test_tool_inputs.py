@@ -91,6 +91,24 @@ def test_tiny_llm_an_os_error_while_writing_is_one_line(tmp_path, capsys, monkey
     assert f"tiny_llm: error: cannot write {exc.filename or out}: {exc.strerror}" == one_line(capsys)
 
 
+def test_tiny_llm_a_failure_part_way_takes_back_the_folders_it_made(tmp_path, capsys, monkeypatch):
+    """The tokenizer was already in out/model/ when the model failed to write: a
+    half-written folder stayed."""
+    out = tmp_path / "out"
+
+    def fail(model_dir, **kw):
+        assert (model_dir / "tokenizer.json").is_file()  # the tokenizer came first
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiny_llm, "make_model", fail)
+    assert tiny_llm.main([str(out), *SMALL]) == 1
+    assert one_line(capsys).startswith("tiny_llm: error: cannot write")
+    assert not out.exists()
+    (out / "model").mkdir(parents=True)  # folders the user had are left
+    assert tiny_llm.main([str(out), *SMALL]) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["model"]
+
+
 @pytest.mark.parametrize("argv, message", [
     pytest.param(["--heads", "3"], "--heads = 3: expected a divisor of --hidden (64)", id="heads-divisor"),
     pytest.param(["--kv-heads", "3"], "--kv-heads = 3: expected a divisor of --heads (4)", id="kv-heads-divisor"),

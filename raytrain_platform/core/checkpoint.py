@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from raytrain_platform.errors import CheckpointError, first_line
 from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE, write_json
+from raytrain_platform.data.sources import VAL_SPLIT
 
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "read_state", "load_model_weights",
            "read_weights", "write_weights", "write_state", "WEIGHTS_FILE", "OPTIM_FILE"]
@@ -82,7 +83,8 @@ def save_checkpoint(directory: str | os.PathLike, *, wrapped, optimizer: torch.o
     files = {str(f.relative_to(d)): f.stat().st_size for f in sorted(d.rglob("*"))
              if f.is_file() and f.name != STATE_FILE}
     write_json(d / STATE_FILE, {"format_version": FORMAT_VERSION, "state": asdict(state),
-                                "layout": {"world_size": world_size, "batch_size": batch_size, "split": split},
+                                "layout": {"world_size": world_size, "batch_size": batch_size, "split": split,
+                                           "val_split": VAL_SPLIT},
                                 "scheduler": {"step": state.step, "lr": lr},
                                 "metrics": metrics, "sharded": bool(wrapped.sharded), "files": files,
                                 **({"base": base} if base is not None else {})})

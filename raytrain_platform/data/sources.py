@@ -48,6 +48,8 @@ __all__ = [
     "split_mask",
     "split_key",
     "split_keys",
+    "split_by_file",
+    "VAL_SPLIT",
     "filesystem",
     "glob_match",
     "text_files",
@@ -92,6 +94,20 @@ def split_mask(ids: np.ndarray, val_fraction: float, split: str) -> np.ndarray:
     return is_val if split == "val" else ~is_val
 
 
+# The validation split's scheme, recorded in each checkpoint: 2 deals a file's samples by
+# the file's name and their place in it (`split_keys`); before it (none recorded), by the
+# file's index among the sorted files.
+VAL_SPLIT = 2
+
+
+def split_by_file(spec: "SourceSpec") -> bool:
+    """Whether `spec`'s validation split is dealt by `split_keys` (scheme 2): byte-level
+    text, Parquet without data.val_path and jsonl, with a validation split at all."""
+    by_file = spec.kind == "jsonl" or (spec.kind == "text" and not spec.tokenized) or (
+        spec.kind == "parquet" and not spec.val_path)
+    return by_file and spec.val_fraction > 0
+
+
 def split_key(path: str, root: str) -> int:
     """A 32-bit number for a file, from its path under the source's `root` (its own name
     where `root` is the file; a URI's query is left out): what `split_keys` puts above
@@ -102,11 +118,19 @@ def split_key(path: str, root: str) -> int:
     True
     >>> split_key("/d/x.jsonl", "/d/x.jsonl") == split_key("/d/x.jsonl", "/d")
     True
+    >>> split_key("/d/run?1/a.txt", "/d/run?1") == split_key("/d/run?1/b.txt", "/d/run?1")  # no query here
+    False
     """
-    if "://" not in root:
+    if "://" in root:  # a URI: its query follows each file's path (`jsonl.jsonl_files`)
+        path, root = path.partition("?")[0], root.partition("?")[0].rstrip("/")
+    else:  # a local path, or a path in a filesystem (Parquet's bucket/key)
         path, root = os.path.abspath(path), os.path.abspath(root)
-    path, root = path.partition("?")[0], root.partition("?")[0].rstrip("/")
-    name = path[len(root) + 1:] if path.startswith(root + "/") else path.rsplit("/", 1)[-1]
+    if path == root:
+        name = path.rsplit("/", 1)[-1]
+    elif path.startswith(root.rstrip("/") + "/"):
+        name = path[len(root.rstrip("/")) + 1:]
+    else:  # every caller lists its files under the root
+        raise ValueError(f"{path!r} is not under the source's path {root!r}")
     return int.from_bytes(hashlib.blake2b(name.encode("utf-8", "surrogateescape"), digest_size=4).digest(), "big")
 
 
@@ -148,8 +172,11 @@ class SourceSpec:
     def from_config(cls, cfg: "JobConfig") -> "SourceSpec":
         d, m, tokens = cfg.data, cfg.model, cfg.seq_len  # tokens: None unless lm (then required)
         seq_len = tokens + 1 if tokens is not None else 0  # + 1: targets are inputs shifted by one
+        # The default text root resolved here, on the driver: every process then splits
+        # (and reads) the files the driver listed under the same root.
+        path = d.path if d.path or d.source != "text" else default_text_root()
         return cls(kind=d.source, task=m.resolved_task, val_fraction=d.val_fraction, seq_len=seq_len,
-                   path=d.path, val_path=d.val_path, glob=d.glob, max_files=d.max_files,
+                   path=path, val_path=d.val_path, glob=d.glob, max_files=d.max_files,
                    num_samples=d.num_samples, num_features=d.num_features,
                    num_classes=d.num_classes, seed=d.seed,
                    feature_columns=tuple(d.feature_columns or ()), label_column=d.label_column,

@@ -69,13 +69,17 @@ def prepare(config: Any, overrides: list[str] | None = None,
     return resolve_job(cfg, hardware)
 
 
+_WARNED: set[str] = set()
+
+
 def _warn_if_inside_the_jobs_copy(storage_path: str) -> None:
     """A submitted job runs in Ray's copy of its ``--working-dir``, deleted with the job's
     files and renamed whenever the code changes: run directories there are lost, and a
     rerun does not resume. Said once, on stderr; the run goes on (a test may want it)."""
-    if "://" in storage_path or not _submitted_runtime_env().get("working_dir"):
+    if "://" in storage_path or storage_path in _WARNED or not _submitted_runtime_env().get("working_dir"):
         return
     if Path(storage_path).resolve().is_relative_to(Path.cwd().resolve()):
+        _WARNED.add(storage_path)  # a sweep prepares each trial's config: once is enough
         print(f"warning: run.storage_path = {storage_path!r} is inside this job's copy of its working_dir, "
               "which Ray deletes: set run.storage_path to shared storage", file=sys.stderr, flush=True)
 

@@ -28,6 +28,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -320,16 +321,23 @@ def _check_all(out: str | Path, *, samples: int, vocab_size: int, names: Mapping
 def make_all(out: str | Path, *, arch: str = "llama", samples: int = 2000, vocab_size: int = 512,
              **model_kw) -> dict[str, Path]:
     """Write a tokenizer and model into ``out/model/`` (one folder, the Hugging Face
-    layout) and instruction data into ``out/data/``; returns every path written."""
+    layout) and instruction data into ``out/data/``; returns every path written. A failure
+    part-way removes the folders this call created."""
     _check_all(out, arch=arch, samples=samples, vocab_size=vocab_size, **model_kw)  # fail before writing
     out = Path(out)
     model_dir = out / "model"
-    tok = make_tokenizer(model_dir, vocab_size=vocab_size)
-    eos, im_end = tok.convert_tokens_to_ids([EOS_TOKEN, IM_END])
-    # Generation stops at either end marker: <|im_end|> closes a chat turn.
-    make_model(model_dir, arch=arch, vocab_size=len(tok), eos_token_id=[eos, im_end],
-               pad_token_id=tok.pad_token_id, **model_kw)
-    data = make_instruction_jsonl(out / "data", n=samples)
+    created = [p for p in (out, model_dir, out / "data") if not p.exists()]
+    try:
+        tok = make_tokenizer(model_dir, vocab_size=vocab_size)
+        eos, im_end = tok.convert_tokens_to_ids([EOS_TOKEN, IM_END])
+        # Generation stops at either end marker: <|im_end|> closes a chat turn.
+        make_model(model_dir, arch=arch, vocab_size=len(tok), eos_token_id=[eos, im_end],
+                   pad_token_id=tok.pad_token_id, **model_kw)
+        data = make_instruction_jsonl(out / "data", n=samples)
+    except BaseException:
+        for folder in reversed(created):  # innermost first
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
     return {"model": model_dir, "tokenizer": model_dir, **data}
 
 
