@@ -447,20 +447,19 @@ def test_rtp_cache_refuses_a_cache_folder_that_is_a_file(tmp_path, monkeypatch, 
     assert (tmp_path / "f").read_text() == "not a folder"
 
 
-def test_resuming_a_checkpoint_of_the_earlier_split_says_so(copy, capsys):
+def test_resuming_a_checkpoint_of_the_earlier_split_says_so(copy):
     """Checkpoints written before the split was dealt by file name (no `val_split` in
-    their layout) resumed silently, validating on samples they trained on."""
-    from raytrain_platform.core.engine import _warn_if_split_changed
+    their layout) resumed silently, validating on samples they trained on. The drivers
+    (`rtp train`'s, and rank 0 under torchrun) say it on resume."""
+    from raytrain_platform.core.checkpoint import read_state, split_changed_warning
 
     ckpt = latest_checkpoint(copy)
     text = load_config(ROOT / "pipelines" / "configs" / "quickstart.yaml")  # bytes of text files
-    _warn_if_split_changed(str(ckpt), text)  # written now: nothing to say
-    assert capsys.readouterr().err == ""
+    assert split_changed_warning(ckpt, read_state(ckpt), text) is None  # written now: nothing to say
     state = json.loads((ckpt / "trainer_state.json").read_text())
     state["layout"].pop("val_split")
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
-    _warn_if_split_changed(str(ckpt), text)
-    err = capsys.readouterr().err
-    assert err.startswith(f"warning: {ckpt} was written before the validation split") and len(err.splitlines()) == 1
-    _warn_if_split_changed(str(ckpt), load_config(copy / "config.yaml"))  # synthetic rows: the split is as it was
-    assert capsys.readouterr().err == ""
+    warning = split_changed_warning(ckpt, read_state(ckpt), text)
+    assert warning.startswith(f"warning: {ckpt} was written before the validation split") and "\n" not in warning
+    # synthetic rows: the split is as it was
+    assert split_changed_warning(ckpt, read_state(ckpt), load_config(copy / "config.yaml")) is None

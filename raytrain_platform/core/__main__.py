@@ -19,6 +19,7 @@ import torch
 
 from raytrain_platform.config import add_set_flag, load_config
 from raytrain_platform.core.dist import barrier, init_torchrun
+from raytrain_platform.core.checkpoint import read_state, split_changed_warning
 from raytrain_platform.core.engine import run_training
 from raytrain_platform.data.local import LocalBatches
 from raytrain_platform.errors import NonFiniteError, OneLineParser, UserError
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         tracked = open_training_run(cfg, state_file=run_dir / TRACKING_FILE)
     barrier()
     resume = latest_checkpoint(run_dir)
+    warning = split_changed_warning(resume, read_state(resume), cfg) if resume and env.is_rank0 else None
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     dims = ParallelDims.from_config(cfg)  # data-parallel coordinates: TP/PP groups share batches
     source = LocalBatches(job, rank=dims.data_rank(env.rank), world_size=dims.dp)
     try:

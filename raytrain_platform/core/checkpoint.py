@@ -21,16 +21,17 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from raytrain_platform.errors import CheckpointError, first_line
 from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE, write_json
-from raytrain_platform.data.sources import VAL_SPLIT
+from raytrain_platform.data.sources import SourceSpec, VAL_SPLIT, split_by_file
 
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "read_state", "load_model_weights",
-           "read_weights", "write_weights", "write_state", "WEIGHTS_FILE", "OPTIM_FILE"]
+           "read_weights", "write_weights", "write_state", "split_changed_warning", "WEIGHTS_FILE", "OPTIM_FILE"]
 
 WEIGHTS_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.pt"
@@ -210,6 +211,17 @@ def _load_unsharded(directory, data: dict, *, wrapped, optimizer, device, adapte
     else:
         wrapped.base.load_state_dict(weights, strict=not adapters_only)
         set_optimizer_state_dict(wrapped.base, optimizer, optim_state)
+
+
+def split_changed_warning(directory: str | os.PathLike, state: dict, cfg: Any) -> str | None:
+    """The warning for resuming a checkpoint (its `read_state`) written before the
+    validation split was dealt by file name (no ``val_split`` in its layout), where this
+    run's split is (`split_by_file`): its validation split now holds samples it trained
+    on. None where nothing changed. The driver says it; the run goes on."""
+    if "val_split" in (state.get("layout") or {}) or not split_by_file(SourceSpec.from_config(cfg)):
+        return None
+    return (f"warning: {directory} was written before the validation split was dealt by file name: this "
+            "run's validation split holds samples it trained on, so its val_loss reads low (a new run does not)")
 
 
 def _map_position(directory, data: dict, *, world_size: int, batch_size: int,

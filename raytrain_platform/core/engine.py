@@ -71,23 +71,6 @@ def _reseed(seed: int, device: torch.device) -> None:
         torch.cuda.manual_seed(seed)  # this worker's device only
 
 
-def _warn_if_split_changed(directory: str, cfg) -> None:
-    """A checkpoint written before the validation split was dealt by file name (no
-    ``val_split`` in its layout): this run's validation split now holds samples it
-    trained on (and its training split lacks some it held out). Said on stderr; the run
-    goes on."""
-    import sys
-
-    from raytrain_platform.core.checkpoint import read_state
-    from raytrain_platform.data.sources import SourceSpec, split_by_file
-
-    layout = read_state(directory).get("layout") or {}
-    if "val_split" not in layout and split_by_file(SourceSpec.from_config(cfg)):
-        print(f"warning: {directory} was written before the validation split was dealt by file name: "
-              "this run's validation split holds samples it trained on, so its val_loss reads low "
-              "(a new run does not)", file=sys.stderr, flush=True)
-
-
 class Engine:
     def __init__(self, job: ResolvedJob, env: DistEnv, *, run_dir: str | None = None,
                  profiler: StepProfiler | None = None, resuming: bool = False):
@@ -130,8 +113,6 @@ class Engine:
                                      epoch_rows=self.job.steps_per_epoch * self.cfg.train.grad_accum_steps
                                      * (self.data_world if self.split else 1) * self.cfg.data.micro_batch,
                                      base=self.base)
-        if self.env.is_rank0:
-            _warn_if_split_changed(directory, self.cfg)
 
     def save(self, directory: str, metrics: dict) -> None:
         self.nonfinite.check_weights(self.wrapped.module, step=self.state.step)  # never save NaN weights

@@ -422,12 +422,15 @@ def run_job(job: ResolvedJob, *, emit: Callable[[str], None], callbacks: Sequenc
     if resumed:
         # A LoRA checkpoint over another base (or LoRA on/off) is one line before any worker starts.
         from raytrain_platform.core.adapters import check_base, run_base
-        from raytrain_platform.core.checkpoint import read_state
+        from raytrain_platform.core.checkpoint import read_state, split_changed_warning
 
         state = read_state(resumed)
         check_base(str(resumed), state.get("base"), run_base(cfg))
         resume_step = state["state"]["step"]
         emit(f"resuming from {resumed}")
+        warning = split_changed_warning(resumed, state, cfg)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     tracked = open_training_run(cfg, state_file=run_dir / TRACKING_FILE, sweep_trial=sweep_trial)
     if tracked.active:
         emit(f"mlflow: run {tracked.run_id} in {tracked.uri}")
