@@ -100,8 +100,10 @@ LAYOUTS = {
     "pp2_fsdp2_ac_accum2": (4, dict(parallel={"pp_size": 2, "strategy": "fsdp", "activation_checkpointing": True},
                                     data={"batch_size": 4}, train=accum(2))),
 }
-# 4 processes, or more compiled TP layouts (tests/test_hf.py's tp2_compile runs by default).
-_EXTENDED = {"pp2_fsdp2_ac_accum2", "tp2_sp_compile_accum2", "tp2_sp_compile_ac_accum2"}
+# 4 processes, more compiled TP layouts (tests/test_hf.py's tp2_compile runs by default), or the
+# compiled interleaved stages (pp2_1f1b_compile_ac_accum2 compiles stages by default).
+_EXTENDED = {"pp2_fsdp2_ac_accum2", "tp2_sp_compile_accum2", "tp2_sp_compile_ac_accum2",
+             "pp2_interleaved_compile_accum2"}
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +192,7 @@ def test_resume(tmp_path, runs, source, nproc, target):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("source", ["tp2_fsdp2_accum2", "pp2_ddp2_accum2",
                                     "pp2_interleaved_accum2", "tp2_sp_accum2", "pp2_1f1b_ac_accum2",
-                                    "pp2_interleaved_compile_accum2",
+                                    pytest.param("pp2_interleaved_compile_accum2", marks=pytest.mark.extended),
                                     "pp2_1f1b_compile_ac_accum2",
                                     pytest.param("tp2_sp_compile_accum2", marks=pytest.mark.extended)])
 def test_export_consolidates(tmp_path, runs, source):
