@@ -10,16 +10,47 @@ import argparse
 import errno
 import re
 import sys
+import tempfile
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 __all__ = ["CheckpointError", "ConfigError", "DataError", "NonFiniteError", "OneLineParser", "PATH_ERRNOS", "UserError",
-           "describe_error", "first_line", "root_cause", "user_cause"]
+           "describe_error", "first_line", "folder_problem", "root_cause", "user_cause"]
 
 
 # An OSError with one of these, writing where the user said, is a bad path (exit 2), not a
 # failed run.
 PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR,
                          errno.EEXIST, errno.ENAMETOOLONG})
+
+
+def folder_problem(target: Path) -> str | None:
+    """Why no folder can be written at the local path `target`, or None: it is a folder
+    that takes new entries, or it can be created (its nearest existing parent is one,
+    shown by creating and removing a nameless file there, which also holds for root and
+    for read-only mounts, where permission bits alone mislead). Nothing else is created.
+    The one check behind ``run.storage_path``, ``rtp doctor --out``, ``rtp export --out``,
+    ``rtp make-data`` and ``tiny_llm``.
+
+    >>> folder_problem(Path("/proc/version")), folder_problem(Path("/proc/version/x"))
+    ('/proc/version is a file', '/proc/version is a file, so it cannot be created')
+    >>> folder_problem(Path("/proc/rtp/x"))
+    '/proc is not writable (No such file or directory)'
+    """
+    existing = target
+    try:
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent  # where the missing folders would be created
+        if not existing.is_dir():
+            return f"{existing} is a file" + ("" if existing == target else ", so it cannot be created")
+    except OSError as exc:  # a parent this user may not search
+        return f"{existing} cannot be reached ({exc.strerror or type(exc).__name__})"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return f"{existing} is not writable ({exc.strerror or type(exc).__name__})"
+    return None
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -25,12 +25,12 @@ from raytrain_platform.config import JobConfig, load_config, read_yaml
 from raytrain_platform.core.checkpoint import WEIGHTS_FILE, read_state, read_weights, write_state
 from raytrain_platform.core.sharded import load_full_model_state, load_saved_tensors
 from raytrain_platform.core.weights import load_safetensors
-from raytrain_platform.errors import CheckpointError, ConfigError, first_line
+from raytrain_platform.errors import CheckpointError, ConfigError, first_line, folder_problem
 from raytrain_platform.models.lora import ADAPTER, is_adapter, merge_lora
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.user import IMPORT_PATH
 from raytrain_platform.units import parse_size
-from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE, folder_problem, latest_checkpoint, write_json
+from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE, latest_checkpoint, write_json
 
 __all__ = ["export_checkpoint", "load_model_for_inference", "load_hf_directory", "is_hf_directory",
            "EXPORT_INFO_FILE", "attach_adapters", "load_lora_base", "read_adapters"]

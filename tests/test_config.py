@@ -180,7 +180,7 @@ def test_make_data_and_tabular_config(tmp_path):
     assert uneven.returncode == 0 and len(list((tmp_path / "nine").glob("*.parquet"))) == 4
     (tmp_path / "afile").write_text("x")
     clash = _rtp("make-data", str(tmp_path / "afile"))
-    assert clash.returncode == 2 and "a file of that name exists" in clash.stderr
+    assert clash.returncode == 2 and f"({tmp_path / 'afile'} is a file)" in clash.stderr
 
 
 def test_readme_documents_every_config_key():

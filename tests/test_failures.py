@@ -76,7 +76,7 @@ def _parquet_config(tmp: Path, name: str) -> dict:
 # ------------------------------------------------------------------ before Ray
 
 @pytest.mark.parametrize("where, expected", [
-    ("a_file", "expected a folder for run directories; it is a file"),
+    ("a_file", "expected a folder for run directories; {tmp}/a_file is a file"),
     ("a_file/runs", "a_file is a file, so it cannot be created"),
     ("/proc/rtp_runs", "expected a folder for run directories; /proc is not writable"),
     ("nosuchscheme://bucket/runs", "expected a URI whose filesystem resolves (Unrecognized filesystem type"),
@@ -93,7 +93,8 @@ def test_a_storage_path_that_cannot_hold_runs_is_exit_2_before_ray(tmp_path, cap
     for command in ("validate", "train"):
         assert rtp([command, config]) == 2
         line = _stderr_line(capsys)
-        assert line.startswith(f"error: run.storage_path = {storage!r}: ") and expected in line, line
+        assert line.startswith(f"error: run.storage_path = {storage!r}: ") and \
+            expected.format(tmp=tmp_path) in line, line
     assert ray.is_initialized() == ray_was_up  # refused before Ray was started
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 
 import pytest
 
@@ -55,7 +56,7 @@ def test_tiny_llm_refuses_a_file_in_the_way_before_writing(tmp_path, capsys, whe
     (tmp_path / where).write_text("keep")
     assert tiny_llm.main([str(out), *SMALL]) == 2
     err = one_line(capsys)
-    assert f"out = '{out}': expected a folder ({tmp_path / where} is a file)" in err
+    assert f"out = '{out}': expected a folder that can be created and written ({tmp_path / where} is a file)" in err
     assert (tmp_path / where).read_text() == "keep"
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted({"out", os.path.basename(where)})
 
@@ -63,14 +64,16 @@ def test_tiny_llm_refuses_a_file_in_the_way_before_writing(tmp_path, capsys, whe
 def test_tiny_llm_refuses_a_path_under_a_file(tmp_path, capsys):
     (tmp_path / "afile").write_text("keep")
     assert tiny_llm.main([str(tmp_path / "afile" / "out"), *SMALL]) == 2
-    assert f"expected a path inside a folder ({tmp_path / 'afile'} is a file)" in one_line(capsys)
+    assert f"({tmp_path / 'afile'} is a file, so it cannot be created)" in one_line(capsys)
 
 
-def test_tiny_llm_refuses_a_folder_it_may_not_write(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(tiny_llm.os, "access", lambda path, mode: False)  # as non-root chmod 555 would
-    assert tiny_llm.main([str(tmp_path / "out"), *SMALL]) == 2
-    assert "out = " in (err := one_line(capsys)) and "is not writable" in err
-    assert not (tmp_path / "out").exists()
+def test_tiny_llm_refuses_a_folder_it_may_not_write(capsys):
+    """/proc takes no new entries, for root too (root passes every permission check,
+    so a chmod 555 folder would not show it)."""
+    assert tiny_llm.main(["/proc/rtp-tiny-llm", *SMALL]) == 2
+    assert one_line(capsys) == ("tiny_llm: error: out = '/proc/rtp-tiny-llm': expected a folder that can be created and "
+                                "written (/proc is not writable (No such file or directory))")
+    assert not Path("/proc/rtp-tiny-llm").exists()
 
 
 @pytest.mark.parametrize("exc, code", [
@@ -182,16 +185,15 @@ def test_make_data_refuses_bad_numbers_before_writing(tmp_path, capsys, argv, me
 def test_make_data_refuses_a_path_under_a_file(tmp_path, capsys):
     (tmp_path / "afile").write_text("keep")
     assert rtp(["make-data", str(tmp_path / "afile" / "out"), "--rows", "4", "--files", "1"]) == 2
-    assert f"expected a path inside a folder ({tmp_path / 'afile'} is a file)" in one_line(capsys)
+    assert f"({tmp_path / 'afile'} is a file, so it cannot be created)" in one_line(capsys)
 
 
-def test_make_data_refuses_a_folder_it_may_not_write(tmp_path, capsys, monkeypatch):
-    from raytrain_platform.data import generate
-
-    monkeypatch.setattr(generate.os, "access", lambda path, mode: False)  # as non-root chmod 555 would
-    assert rtp(["make-data", str(tmp_path / "out"), "--rows", "4", "--files", "1"]) == 2
-    assert "is not writable" in one_line(capsys)
-    assert not (tmp_path / "out").exists()
+def test_make_data_refuses_a_folder_it_may_not_write(capsys):
+    """/proc takes no new entries, for root too (see the tiny_llm case)."""
+    assert rtp(["make-data", "/proc/rtp-make-data", "--rows", "4", "--files", "1"]) == 2
+    assert one_line(capsys) == ("error: out = '/proc/rtp-make-data': expected a folder that can be created and "
+                                "written (/proc is not writable (No such file or directory))")
+    assert not Path("/proc/rtp-make-data").exists()
 
 
 @pytest.mark.parametrize("error, code", [

@@ -19,7 +19,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -47,9 +46,9 @@ def check_storage(path: str) -> None:
     >>> check_storage("/proc/version")
     Traceback (most recent call last):
     ...
-    raytrain_platform.errors.ConfigError: run.storage_path = '/proc/version': expected a folder for run directories; it is a file
+    raytrain_platform.errors.ConfigError: run.storage_path = '/proc/version': expected a folder for run directories; /proc/version is a file
     """
-    from raytrain_platform.errors import ConfigError
+    from raytrain_platform.errors import ConfigError, folder_problem
 
     field = "run.storage_path"
     if "://" in path:
@@ -64,27 +63,6 @@ def check_storage(path: str) -> None:
     problem = folder_problem(Path(path))
     if problem is not None:
         raise ConfigError(field, path, f"a folder for run directories; {problem}")
-
-
-def folder_problem(target: Path) -> str | None:
-    """Why no folder can be written at the local path `target`, or None: it is a folder
-    that takes new entries, or it can be created (its nearest existing parent is one).
-    Nothing is created.
-
-    >>> folder_problem(Path("/proc/version/x")), folder_problem(Path("/proc/rtp/x"))
-    ('/proc/version is a file, so it cannot be created', '/proc is not writable (No such file or directory)')
-    """
-    existing = target
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent  # where the missing folders would be created
-    if not existing.is_dir():
-        return "it is a file" if existing == target else f"{existing} is a file, so it cannot be created"
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
-        return f"{existing} is not writable ({exc.strerror or type(exc).__name__})"
-    return None
 
 
 def checkpoint_name(step: int) -> str:

@@ -10,14 +10,13 @@ seed see the same numbers. No torch, no Ray.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
 from raytrain_platform.config.sections import MAX_SYNTHETIC, SEED_ALLOWED, SEED_LIMIT
 from raytrain_platform.data.sources import SourceSpec, synthetic_rows
-from raytrain_platform.errors import PATH_ERRNOS, ConfigError
+from raytrain_platform.errors import PATH_ERRNOS, ConfigError, folder_problem
 
 __all__ = ["write_tabular_parquet"]
 
@@ -89,15 +88,8 @@ def _check_args(folder: Path, *, rows: int, features: int, classes: int, files: 
             raise ConfigError(name, value, allowed)
     if files > rows:
         raise ConfigError("--files", files, f"at most --rows ({rows})")
-    try:
-        if folder.exists() and not folder.is_dir():
-            raise ConfigError("out", str(folder), "a folder (a file of that name exists)")
-        if folder.exists() and any(folder.glob("*.parquet")):
-            raise ConfigError("out", str(folder), "an empty or new folder (it already holds .parquet files)")
-        base = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
-        if not base.is_dir():
-            raise ConfigError("out", str(folder), f"a path inside a folder ({base} is a file)")
-        if not os.access(base, os.W_OK | os.X_OK):
-            raise ConfigError("out", str(folder), f"a folder this user may write ({base} is not writable)")
-    except OSError as exc:  # e.g. a parent that cannot be searched
-        raise ConfigError("out", str(folder), f"a folder this user may write ({exc.strerror or exc})") from None
+    problem = folder_problem(folder.absolute())
+    if problem is not None:
+        raise ConfigError("out", str(folder), f"a folder that can be created and written ({problem})")
+    if any(folder.glob("*.parquet")):
+        raise ConfigError("out", str(folder), "an empty or new folder (it already holds .parquet files)")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_platform.doctor.checks import THRESHOLDS, Finding, RunStats, diagnose, scaling_efficiency
-from raytrain_platform.core.rundir import folder_problem, write_json
+from raytrain_platform.core.rundir import write_json
 
 __all__ = ["doctor", "DoctorReport", "format_report", "DOCTOR_FILE", "DOCTOR_PLOT"]
 
@@ -112,7 +112,7 @@ def _output_folder(cfg: Any, out: str | os.PathLike | None) -> Path:
     or can be created (its nearest existing parent a writable folder). Nothing is created
     here. The doctor's runs and report are local files: a URI is refused (with a URI
     ``run.storage_path``, `out` must name a local folder)."""
-    from raytrain_platform.errors import ConfigError
+    from raytrain_platform.errors import ConfigError, folder_problem
 
     out = None if out is None else os.fspath(out)
     if out is None and "://" in cfg.run.storage_path:

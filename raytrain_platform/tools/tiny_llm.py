@@ -34,7 +34,7 @@ import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Mapping
 
-from raytrain_platform.errors import PATH_ERRNOS, ConfigError, OneLineParser, UserError
+from raytrain_platform.errors import PATH_ERRNOS, ConfigError, OneLineParser, UserError, folder_problem
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -213,20 +213,11 @@ def _check_model_args(*, arch: str = "llama", hidden_size: int = 64, num_layers:
 def _check_out(out: Path, name: str) -> None:
     """ConfigError unless `out` can hold model/ and data/ folders: no file in their way,
     and this user may write where they go (checked before anything is written)."""
-    subdirs = (out / "model", out / "data")
-    try:
-        for path in (out, *subdirs):
-            if path.exists() and not path.is_dir():
-                raise ConfigError(name, str(out), f"a folder ({path} is a file)")
-        base = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
-        if not base.is_dir():
-            raise ConfigError(name, str(out), f"a path inside a folder ({base} is a file)")
-        for sub in subdirs:
-            where = sub if sub.is_dir() else base
-            if not os.access(where, os.W_OK | os.X_OK):
-                raise ConfigError(name, str(out), f"a folder this user may write ({where} is not writable)")
-    except OSError as exc:  # e.g. a parent that cannot be searched
-        raise ConfigError(name, str(out), f"a folder this user may write ({exc.strerror or exc})") from None
+    where = out.absolute()
+    for path in (where, where / "model", where / "data"):
+        problem = folder_problem(path)
+        if problem is not None:
+            raise ConfigError(name, str(out), f"a folder that can be created and written ({problem})")
 
 
 def _save_kwargs(model, max_shard_size: str | None) -> dict:
