@@ -15,6 +15,7 @@ of ``tp_size`` workers (TP needs the fastest links; see launch/trainer.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +66,26 @@ def stage_blocks(n_layer: int, n_stages: int, split: list[int] | None = None) ->
     >>> stage_blocks(4, 2, [1, 3])
     [range(0, 1), range(1, 4)]
     """
-    counts = split or [n_layer // n_stages + (1 if i < n_layer % n_stages else 0)
-                       for i in range(n_stages)]
+    each, rest = divmod(n_layer, n_stages)
+    counts = split or [each + (1 if i < rest else 0) for i in range(n_stages)]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     return [range(s, s + c) for s, c in zip(starts, counts)]
+
+
+def rank_blocks(n_layer: int, n_stages: int, pp: int, pp_rank: int,
+                split: Sequence[int] | None = None) -> int:
+    """How many blocks pipeline rank `pp_rank` of `pp` holds: its stages ``pp_rank,
+    pp_rank + pp, ...`` of `stage_blocks` (one stage per rank, or several interleaved),
+    counted in O(1) when balanced, without building every stage's range (the planner
+    asks this for layouts of up to a million stages).
+
+    >>> [rank_blocks(7, 4, 2, r) for r in range(2)], [len(b) for b in stage_blocks(7, 4)]
+    ([4, 3], [2, 2, 2, 1])
+    >>> rank_blocks(4, 2, 2, 1, [1, 3])
+    3
+    """
+    stages = range(pp_rank, n_stages, pp)
+    if split:
+        return sum(split[i] for i in stages)
+    each, rest = divmod(n_layer, n_stages)  # as stage_blocks: the first `rest` stages one more
+    return len(stages) * each + len(range(pp_rank, rest, pp))

@@ -60,6 +60,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from raytrain_platform.errors import ConfigError
+from raytrain_platform.parallel.dims import rank_blocks
 from raytrain_platform.plan.lora import LoraSize
 from raytrain_platform.plan.shapes import ModelShape
 
@@ -176,18 +177,12 @@ def _check_stages(model: ModelShape, layout: Layout) -> None:
 
 
 def _part(model: ModelShape, layout: Layout, pp_rank: int) -> RankPart:
-    """`rank_part` of a checked layout: the blocks of stages ``r, r + pp, ...`` as
-    `stage_blocks` counts them (balanced: ``n // stages`` each, the first ``n % stages``
-    stages one more), in O(1) when balanced, without building every stage's range
-    (the planner asks this for every layout it sizes, with up to a million stages)."""
+    """`rank_part` of a checked layout: the blocks of its stages ``r, r + pp, ...`` as
+    the pipeline cuts them (`parallel.dims.rank_blocks`, O(1) for the planner's
+    layouts of up to a million stages)."""
     if model.kind != "transformer":
         return RankPart(blocks=0, first=True, last=True)  # an mlp's parameters are all "first"
-    ids = range(pp_rank, layout.stages, layout.pp)
-    if layout.pp_split:
-        blocks = sum(layout.pp_split[i] for i in ids)
-    else:  # of the stages r, r + pp, ..., those below `rest` take one block more
-        each, rest = divmod(model.n_layer, layout.stages)
-        blocks = len(ids) * each + len(range(pp_rank, rest, layout.pp))
+    blocks = rank_blocks(model.n_layer, layout.stages, layout.pp, pp_rank, layout.pp_split)
     return RankPart(blocks=blocks, first=pp_rank == 0, last=pp_rank == layout.pp - 1)
 
 
