@@ -196,11 +196,12 @@ class ModelServer:
         if len(prompt) > self.options.max_prompt_bytes:
             raise error(422, f"prompt: {len(prompt)} UTF-8 bytes; at most {self.options.max_prompt_bytes} "
                              "(max_prompt_bytes)")
-        if body.max_new_tokens > self.options.max_new_tokens:
-            raise error(422, f"max_new_tokens: {body.max_new_tokens}; at most "
+        new_tokens = body.new_tokens(self.options.max_new_tokens)  # unset: within the limit
+        if new_tokens > self.options.max_new_tokens:
+            raise error(422, f"max_new_tokens: {new_tokens}; at most "
                              f"{self.options.max_new_tokens} (the deployment's max_new_tokens)")
         seed = body.seed if body.seed is not None else secrets.randbits(63)
-        return GenerationJob(prompt, body.max_new_tokens, body.temperature, body.top_k, seed)
+        return GenerationJob(prompt, new_tokens, body.temperature, body.top_k, seed)
 
     async def _submit(self, batched: Callable, kind: str, item: tuple) -> Any:
         """Through the dynamic batcher, or (max_batch_size 1) straight to the compute thread."""

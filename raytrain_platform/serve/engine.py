@@ -121,7 +121,7 @@ class GenerationEngine:
     # ---- requests in ---------------------------------------------------------------------
     def _add(self, prompt: list[int], params: SamplingParams) -> _Request:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        request = _Request(prompt, params, TextStream(self.tokenizer, params.stop), seed,
+        request = _Request(prompt, params, TextStream(self.tokenizer, params.stop, prompt), seed,
                            torch.Generator().manual_seed(seed))
         self.waiting.append(request)
         if self._loop is None or self._loop.done():

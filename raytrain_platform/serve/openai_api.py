@@ -51,9 +51,11 @@ def prepare(body: CompletionRequest | ChatRequest, entry: dict, tokenizer: Token
     context, cached = entry["context_len"], entry["kv_cache"]
     if not ids:
         raise error(400, f"{where}: encodes to no tokens", param=where)
-    asked = body.max_tokens if isinstance(body, CompletionRequest) else body.token_limit()
-    # The client's own limit (None when it set none): a limit it did not set is not refused.
-    explicit = asked if {"max_tokens", "max_completion_tokens"} & body.model_fields_set else None
+    # Completions: max_tokens, 16 when unset or null; chat: None when neither field is set.
+    asked = body.token_limit()
+    # The client's own limit (None when it set none, or null): a limit it did not set is not refused.
+    given = body.max_tokens if isinstance(body, CompletionRequest) else asked
+    explicit = given if {"max_tokens", "max_completion_tokens"} & body.model_fields_set else None
     # Errors name the field the limit came from (chat's newer name wins, as in token_limit).
     newer = isinstance(body, ChatRequest) and body.max_completion_tokens is not None
     limit_field = "max_completion_tokens" if newer else "max_tokens"

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = ["ChatMessage", "ChatRequest", "CompletionRequest", "StreamOptions"]
 
+DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens when unset or null, as OpenAI's
 _NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False}
 
 
@@ -57,7 +58,7 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = Field(None, description="up to 4 strings; the text ends before the first")
     seed: int | None = Field(None, ge=0, lt=2**63, description="same seed, same text")
     stream: bool = Field(False, description="answer as server-sent events, data: {...}, then data: [DONE]")
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     user: str | None = None
     # OpenAI fields accepted at their neutral value only.
     n: int | None = None
@@ -79,6 +80,14 @@ class _Sampling(_Strict):
             raise ValueError("up to 4 non-empty strings")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _with_stream(cls, value: Any, info: Any) -> Any:
+        # `stream` comes first, so it is validated already (absent from data if it failed).
+        if value is not None and info.data.get("stream") is False:
+            raise ValueError("only with stream: true (this request has stream: false)")
+        return value
+
     @field_validator("n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
     @classmethod
     def _neutral(cls, value: Any, info: Any) -> Any:
@@ -97,7 +106,8 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] = Field(description="the text to continue (one string, or a list of one)")
-    max_tokens: int | None = Field(16, ge=1, description="tokens to generate (OpenAI's default: 16)")
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1, description="tokens to generate (OpenAI's default, "
+                                   "also for null: 16)")
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -123,6 +133,10 @@ class CompletionRequest(_Sampling):
 
     def prompt_text(self) -> str:
         return self.prompt[0] if isinstance(self.prompt, list) else self.prompt
+
+    def token_limit(self) -> int:
+        """max_tokens; null, as unset, is OpenAI's default (16)."""
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
 
 
 class _TextPart(_Strict):

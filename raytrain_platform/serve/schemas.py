@@ -60,14 +60,26 @@ class PredictResponse(_Strict):
 class GenerateRequest(_Strict):
     prompt: str = Field(min_length=1, description="text to continue (UTF-8, byte-level model); "
                         "at most max_prompt_bytes bytes; the last block_size bytes are the context")
-    max_new_tokens: int = Field(32, ge=1, description="bytes to generate; at most the "
-                                "deployment's max_new_tokens")
+    max_new_tokens: int = Field(32, ge=1, description="bytes to generate; at most the deployment's "
+                                "max_new_tokens (unset: 32, or that maximum where it is lower)")
     temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False,
                                description="0 = greedy; higher = more random")
     top_k: Optional[int] = Field(None, ge=1, le=256, description="sample among the k most likely bytes")
     seed: Optional[int] = Field(None, ge=0, lt=2**63, description="same seed, same text; "
                                 "default: a random seed, returned in the response")
     model: ModelId = None
+
+    def new_tokens(self, limit: int) -> int:
+        """The bytes to generate under the deployment's `limit` (its max_new_tokens): the
+        request's own max_new_tokens (the endpoint refuses one over `limit`), or where it
+        set none, the default capped at `limit`.
+
+        >>> GenerateRequest(prompt="hi").new_tokens(16)
+        16
+        >>> GenerateRequest(prompt="hi", max_new_tokens=20).new_tokens(16)  # refused by the endpoint
+        20
+        """
+        return self.max_new_tokens if "max_new_tokens" in self.model_fields_set else min(self.max_new_tokens, limit)
 
 
 class GenerateResponse(_Strict):

@@ -85,34 +85,63 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
 
 
 class TextStream:
-    """The text of one request's generated tokens, released as it becomes final."""
+    """The text of one request's generated tokens, released as it becomes final.
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+    `prompt`: the request's prompt ids. The last few are decoded together with the
+    generated ids and only the text after theirs is released (vLLM's and TGI's prefix
+    offset): a tokenizer whose decoder strips the text's leading space (SentencePiece's
+    Metaspace, Llama-2, Mistral) would drop a completion's first space if the generated
+    ids were decoded alone.
+    """
+
+    PREFIX_IDS = 5  # prompt ids decoded with the generated ones (vLLM's initial offset)
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt: list[int] | tuple[int, ...] = ()):
         self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
         self.ids: list[int] = []
         self.text = ""  # released so far
         self.stopped = False  # a stop string was reached; `text` ends before it
+        self._prefix = list(prompt[-self.PREFIX_IDS:]) if prompt else []
+        self._prefix_text = tokenizer.decode(self._prefix) if self._prefix else ""
+
+    def _decoded(self) -> str:
+        """The generated ids' text: what decoding them after the prompt's last ids adds
+        (the generated ids alone where that decode rewrote the prompt's text)."""
+        if self._prefix:
+            full = self.tokenizer.decode(self._prefix + self.ids)
+            if full.startswith(self._prefix_text):
+                return full[len(self._prefix_text):]
+        return self.tokenizer.decode(self.ids)
 
     def push(self, token: int) -> str:
         """Add a generated token; returns the newly released text (maybe '')."""
         self.ids.append(token)
-        full = self.tokenizer.decode(self.ids)
+        full = self._decoded()
         found = [at for s in self.stop if (at := full.find(s, max(0, len(self.text) - len(s) + 1))) != -1]
         if found:  # the text ends before the earliest, whichever stop string it is
             self.stopped = True
             return self._release(full[:min(found)])
-        hold = len(full) - len(full.rstrip("\ufffd"))
+        body = full.rstrip("\ufffd")
+        pending = len(full) - len(body)  # a character whose last bytes are still to come
+        hold = pending
         for s in self.stop:  # the longest tail that could begin a stop string
-            hold = max(hold, next((n for n in range(min(len(s) - 1, len(full)), 0, -1)
-                                   if full.endswith(s[:n])), 0))
+            hold = max(hold, _stop_prefix(full, s, len(s) - 1))
+            if pending:  # the pending character may complete a stop string begun before it
+                hold = max(hold, pending + _stop_prefix(body, s, len(s)))
         return self._release(full[:len(full) - hold])
 
     def finish(self) -> str:
         """The text held back, released at the end (no more tokens are coming)."""
-        return "" if self.stopped else self._release(self.tokenizer.decode(self.ids))
+        return "" if self.stopped else self._release(self._decoded())
 
     def _release(self, upto: str) -> str:
         if len(upto) <= len(self.text) or not upto.startswith(self.text):
             return ""  # nothing new (or a decode that rewrote earlier text: keep what was sent)
         delta, self.text = upto[len(self.text):], upto
         return delta
+
+
+def _stop_prefix(text: str, stop: str, longest: int) -> int:
+    """The length of the longest tail of `text` (at most `longest` characters) that
+    `stop` begins with; 0: none."""
+    return next((n for n in range(min(longest, len(text)), 0, -1) if text.endswith(stop[:n])), 0)
