@@ -138,8 +138,9 @@ def test_rtp_train_logs_its_choice_and_trains(tmp_path):
 
 def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
     # An hf model with tied input and output embeddings has TP (the tie kept, parallel/tp.py)
-    # but no pipeline split (models/hf.py); the plan never picks a layout the config check
-    # refuses (parallel.pp_size).
+    # and PP (the last stage's copy kept in step, parallel/pp.py); the plan never picks a
+    # layout the config check refuses (parallel.pp_size: here 2 ranks x 2 interleaved
+    # stages for 2 layers).
     tied = tmp_path / "tied"
     shutil.copytree(tiny["model"], tied)
     conf = json.loads((tied / "config.json").read_text())
@@ -166,8 +167,10 @@ def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
     hf = {"model": {"name": "hf", "kwargs": {"path": str(tied)}},
           "data": {"source": "jsonl", "path": str(tiny["chat"]), "format": "chat", "seq_len": 64, "batch_size": 4},
           "train": {"max_steps": 4}, "run": {"name": "p", "storage_path": str(tmp_path)}}
-    assert pins(hf) == {"pp": 1}  # tied embeddings: TP, no pipeline split
+    assert pins(hf) == {}  # tied embeddings: both splits
     assert pins({**hf, "model": {"name": "hf", "kwargs": {"path": str(tiny["model"])}}}) == {}  # a Llama: both
+    interleaved = {**hf, "parallel": {"pp_schedule": "interleaved_1f1b"}}
+    assert pins(interleaved) == {"pp": 1}  # 2 ranks x 2 stages each need 4 layers
     gpt3 = _cfg(tmp_path, "1GiB")
     gpt3["model"]["kwargs"] = {**GPT, "n_layer": 3}
     assert pins(gpt3) == {}  # gpt: both splits
@@ -178,19 +181,25 @@ def test_auto_picks_only_splits_the_model_family_runs(tmp_path, tiny):
                data={"source": "synthetic", "batch_size": "auto"})
     assert pins(mlp) == {} and prepare(mlp).config.parallel.strategy == "ddp"  # the plan offers mlp no TP/PP
 
-    # rtp plan shows the refused split as no option, with the family's reason, and
-    # refuses --pp 2 for the tied model; TP x FSDP stays an option.
+    # rtp plan shows the tied model's PP as an option, and a refused split as no option,
+    # with the family's reason, refusing --pp 2 for it; TP x FSDP stays an option.
     plan_cmd = [sys.executable, "-m", "raytrain_platform", "plan", "--device-mem", "8MiB",
-                "--devices-per-node", "2", "--global-batch", "16", "--seq-len", "64"]
-    out = subprocess.run([*plan_cmd, "--model", f"hf:{tied}"], capture_output=True, text=True, cwd=ROOT)
+                "--devices-per-node", "2", "--global-batch", "16"]
+    out = subprocess.run([*plan_cmd, "--seq-len", "64", "--model", f"hf:{tied}"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("  ")[0]: line for line in out.stdout.splitlines()}
+    assert "n/a" not in rows["TP x FSDP"] and "n/a" not in rows["PP"], out.stdout
+    config = tmp_path / "interleaved.yaml"
+    config.write_text(json.dumps(interleaved))
+    out = subprocess.run([*plan_cmd, str(config)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     rows = {line.split("  ")[0]: line for line in out.stdout.splitlines()}
     assert "n/a" not in rows["TP x FSDP"], out.stdout
-    assert "n/a: parallel.pp_size must be 1 for a model with tied input and output embeddings" in rows["PP x DP"], \
+    assert "n/a: parallel.pp_size must be at most num_hidden_layers (2) pipeline stages" in rows["PP x DP"], \
         out.stdout
-    out = subprocess.run([*plan_cmd, "--model", f"hf:{tied}", "--pp", "2"], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 2 and out.stderr.startswith("error: --pp = 2: expected 1: parallel.pp_size must be 1 "
-                                                         "for a model with tied"), out.stderr
+    out = subprocess.run([*plan_cmd, str(config), "--pp", "2"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and out.stderr.startswith("error: --pp = 2: expected "), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
     budgets = [f"{kib}KiB" for kib in range(16384, 1024, -512)]

@@ -116,9 +116,6 @@ def test_bad_model_directories_are_one_line_exit_2_before_ray(tmp_path, tiny):
         ({"path": str(tiny["model"])}, {"parallel": {"pp_size": 2, "pp_split": [2, 1]},
                                         "scaling": {"num_workers": 2}},
          "parallel.pp_split", "2 layer counts (one per stage) summing to num_hidden_layers (2)"),
-        ({"path": str(dirs["tied"])}, {"parallel": {"pp_size": 2}, "scaling": {"num_workers": 2}},
-         "parallel.pp_size", "1 for a model with tied input and output embeddings (the first stage holds the "
-                             "embedding, the last the LM head)"),
         ({"path": str(dirs["gpt2"]), "init": "random"}, {"parallel": {"pp_size": 2}, "scaling": {"num_workers": 2}},
          "parallel.pp_size", "1 for model_type 'gpt2' (a tensor-parallel plan and a pipeline split exist for "
                              "['llama', 'mistral', 'qwen2', 'qwen3'])"),
@@ -360,23 +357,30 @@ def test_sharded_checkpoint_resumes_at_another_world_size(runs, tiny, target, np
     resumes from them and trains steps 6-10 as the FSDP run did. The resumed config
     names a copy of the model whose weights are halved: a run that read them instead of
     the checkpoint, or started over, would train other losses."""
+    _resume_elsewhere(runs, tiny["model"], "fsdp2", target, nproc, sections)
+
+
+def _resume_elsewhere(runs: LayoutRuns, model: Path, source: str, target: str, nproc: int, sections: dict) -> None:
+    """`source`'s step-5 checkpoint resumed as `target` (`nproc` processes, `sections`)
+    trains steps 6-10 as `source` did, its config naming a copy of `model` with halved
+    weights (read instead of the checkpoint, they would train other losses)."""
     from safetensors.torch import load_file, save_file
 
-    runs["fsdp2"]
+    runs[source]
     root = runs.root
-    src = root / "fsdp2"
-    assert (src / "checkpoint_000005" / "sharded").is_dir()
+    src = root / source
+    assert (src / "checkpoint_000005" / ("model.safetensors" if source == "one" else "sharded")).exists()
     dst = root / target
     shutil.copytree(src, dst)
     shutil.rmtree(dst / "checkpoint_000010")
     other = root / f"{target}_model"
-    shutil.copytree(tiny["model"], other)
+    shutil.copytree(model, other)
     save_file({k: v * 0.5 for k, v in load_file(other / "model.safetensors").items()}, other / "model.safetensors",
               metadata={"format": "pt"})
     cfg = hf_config(root, target, other, **sections)
     rows = torchrun_metrics(cfg, root / f"{target}.yaml", nproc, timeout=300)
     resumed = [r["loss"] for r in rows if r["step"] > 5]
-    assert_losses_close(resumed, [r["loss"] for r in runs["fsdp2"] if r["step"] > 5], rtol=RTOL)
+    assert_losses_close(resumed, [r["loss"] for r in runs[source] if r["step"] > 5], rtol=RTOL)
 
 
 # ---------------------------------------------------------------- a tied LM head under TP
@@ -405,13 +409,32 @@ def tied(tmp_path_factory, tiny) -> Path:
     return out
 
 
-TIED_LAYOUTS = {"fsdp2": LAYOUTS["fsdp2"], "tp2": LAYOUTS["tp2"], "tp2_fsdp2": LAYOUTS["tp2_fsdp2"]}
+TIED_LAYOUTS = {"fsdp2": LAYOUTS["fsdp2"], "tp2": LAYOUTS["tp2"], "tp2_fsdp2": LAYOUTS["tp2_fsdp2"],
+                "pp2_1f1b": LAYOUTS["pp2_1f1b"]}
 
 
 @pytest.fixture(scope="module")
 def tied_runs(tmp_path_factory, tied) -> LayoutRuns:
     return LayoutRuns(tmp_path_factory.mktemp("hf_tied_runs"), TIED_LAYOUTS,
                       lambda root, name, **sections: hf_config(root, name, tied, **sections))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source, target, nproc, sections", [
+    # the last stage reads its head from the FSDP shards' lm_head.weight
+    ("fsdp2", "tied_fsdp2_resumed_as_pp2", 2, {"parallel": {"pp_size": 2}}),
+    ("fsdp2", "tied_fsdp2_resumed_on_1", 1, {}),
+    # one process reads the two stages' copies into its one tensor
+    ("pp2_1f1b", "tied_pp2_resumed_on_1", 1, {}),
+    # each stage reads its tensors from one process's full ones
+    ("one", "tied_one_resumed_as_pp2", 2, {"parallel": {"pp_size": 2}}),
+])
+def test_a_tied_heads_checkpoint_resumes_into_and_out_of_pipeline_stages(tied_runs, tied, source, target, nproc,
+                                                                          sections):
+    """A tied model's checkpoint holds the weight under both names (the stages' two
+    copies, or FSDP's one tensor): a pipeline's last stage resumes its copy from an FSDP
+    run's, one process its one tensor from a pipeline's, and steps 6-10 train as before."""
+    _resume_elsewhere(tied_runs, tied, source, target, nproc, sections)
 
 
 def _dcp_tensors(path: Path, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -426,7 +449,8 @@ def _dcp_tensors(path: Path, suffixes: tuple[str, ...]) -> dict[str, torch.Tenso
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", pytest.param("tp2_fsdp2", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", pytest.param("tp2_fsdp2", marks=pytest.mark.extended),
+                                    "pp2_1f1b"])
 def test_a_tied_lm_head_stays_tied_and_matches_one_process(tied_runs, tied, layout):
     """The file holds the embedding only. Every rank builds on the meta device, where
     `to_empty` gives the head and the embedding a tensor each (core/weights.py ties them
@@ -434,7 +458,10 @@ def test_a_tied_lm_head_stays_tied_and_matches_one_process(tied_runs, tied, layo
     head by columns: the same ``vocab x d`` weight along the vocabulary, one parameter
     on each rank (parallel/tp.py restores the tie `parallelize_module` breaks). Untied,
     the two would train on their own gradients: the losses would leave one process's,
-    and the checkpoint would hold two different tensors."""
+    and the checkpoint would hold two different tensors. Under PP the first stage holds
+    the embedding, the last a copy as its head, read from the embedding's tensor in the
+    file; their gradients are summed over the two stages (parallel/pp.py), so the copies
+    stay equal, and the global gradient norm counts the weight once, as one process does."""
     one = _losses(tied_runs["one"])
     assert len(one) == 10 and one[-1] < one[0] - 0.5, one
     assert_losses_close(_losses(tied_runs[layout]), one, rtol=RTOL)
@@ -444,6 +471,9 @@ def test_a_tied_lm_head_stays_tied_and_matches_one_process(tied_runs, tied, layo
     head, embedding = (next(v for k, v in saved.items() if k.endswith(end))
                        for end in ("lm_head.weight", "embed_tokens.weight"))
     assert torch.equal(head, embedding)
+    if layout.startswith("pp"):
+        assert_losses_close([r["grad_norm"] for r in tied_runs[layout]], [r["grad_norm"] for r in tied_runs["one"]],
+                            rtol=1e-4)
     from safetensors.torch import load_file
 
     start = load_file(tied / "model.safetensors")["model.embed_tokens.weight"]

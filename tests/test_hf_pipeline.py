@@ -128,3 +128,89 @@ def test_interleaved_stages_load_their_own_weights_match_one_process_and_export(
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, ours(ids).logits, rtol=0, atol=0)
         torch.testing.assert_close(ours(ids).logits, single(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- a tied LM head, interleaved
+
+
+@pytest.fixture(scope="module")
+def tied4(tmp_path_factory, tiny4):
+    """`tiny4` with its LM head tied to the embedding, saved as such a model is published
+    (``save_pretrained``: the file holds ``model.embed_tokens.weight`` only)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("tied4") / "model"
+    import shutil
+
+    shutil.copytree(tiny4["model"], out)
+    (out / "model.safetensors").unlink()
+    config = AutoConfig.from_pretrained(tiny4["model"], local_files_only=True)
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(config)
+    state = AutoModelForCausalLM.from_pretrained(tiny4["model"], local_files_only=True).state_dict()
+    model.load_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"}, strict=False)
+    model.save_pretrained(out)
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    return out
+
+
+def _tied_runs(root, model, layouts) -> LayoutRuns:
+    return LayoutRuns(root, layouts, lambda r, name, **sections: hf_config(r, name, model, **sections))
+
+
+@pytest.mark.slow
+def test_a_tied_head_on_interleaved_stages_matches_one_process_and_exports_tied(tmp_path_factory, tied4, tmp_path):
+    """Rank 0 holds stages 0 and 2 (the embedding), rank 1 stages 1 and 3 (the head: a
+    copy of the embedding, read from the embedding's tensor in the file). Their
+    gradients are summed over the two ranks before each step (parallel/pp.py), and the
+    gradient norm counts the weight once: losses and norms are one process's. The
+    export is a tied model again: one tensor, the logits the platform's."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_platform.export import load_model_for_inference
+
+    runs = _tied_runs(tmp_path_factory.mktemp("tied_pp_runs"), tied4, {
+        "pp2_interleaved": (2, {"parallel": {"pp_size": 2, "pp_schedule": "interleaved_1f1b",
+                                             "pp_microbatches": 4}})})
+    one, pp = runs["one"], runs["pp2_interleaved"]
+    assert_losses_close([r["loss"] for r in pp], [r["loss"] for r in one], rtol=1e-5)
+    assert_losses_close([r["grad_norm"] for r in pp], [r["grad_norm"] for r in one], rtol=1e-4)
+    assert one[-1]["loss"] < one[0]["loss"] - 0.3
+
+    run_dir, out = runs.root / "pp2_interleaved", tmp_path / "export"
+    proc = subprocess.run([sys.executable, "-m", "raytrain_platform", "export", str(run_dir), "--format", "hf",
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    ours, _, _ = load_model_for_inference(run_dir)
+    single, _, _ = load_model_for_inference(runs.root / "one")
+    ids = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, ours(ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(ours(ids).logits, single(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.extended  # 3 and 4 processes on 2 cores (~1 min)
+@pytest.mark.parametrize("name, nproc, sections", [
+    # 3 stages: the head's copy two ranks from the embedding, a middle rank holding neither
+    # (the pair's own process group); built from config.json with the run's seed
+    ("pp3_random", 3, {"parallel": {"pp_size": 3, "pp_split": [2, 1, 1], "pp_microbatches": 4}}),
+    # both stages under FSDP: the copies' gradients are shards, summed shard by shard
+    ("pp2_fsdp2", 4, {"parallel": {"pp_size": 2, "pp_schedule": "gpipe", "strategy": "fsdp"},
+                      "data": {"batch_size": 4}}),
+])
+def test_a_tied_head_on_more_stages_or_sharded_stages_matches_one_process(tmp_path_factory, tied4, name, nproc,
+                                                                          sections):
+    random = name.endswith("random")
+    init = {"model": {"name": "hf", "kwargs": {"path": str(tied4), "init": "random"}}} if random else {}
+    runs = _tied_runs(tmp_path_factory.mktemp("tied_pp_more"), tied4, {
+        "reference": (1, {**init}), name: (nproc, {**sections, **init})})
+    one, got = runs["reference"], runs[name]
+    assert_losses_close([r["loss"] for r in got], [r["loss"] for r in one], rtol=1e-5)
+    assert_losses_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in one], rtol=1e-4)

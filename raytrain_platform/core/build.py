@@ -36,14 +36,16 @@ class BuiltModel:
 
 
 def fill_pretrained(model: torch.nn.Module, family: ModelFamily, files: list[str], device: torch.device, *,
-                    read: bool = True, source_name: Callable[[str], str | None] | None = None) -> None:
+                    read: bool = True, source_name: Callable[[str], str | None] | None = None,
+                    tied: list[list[str]] | None = None) -> None:
     """A meta-device `model` (or one pipeline stage of it) given storage on `device`,
     its family's buffers set, then its tensors read from the safetensors `files`: only
-    its own slices under FSDP or TP. ``read=False`` leaves the weights to a checkpoint."""
+    its own slices under FSDP or TP. ``read=False`` leaves the weights to a checkpoint.
+    `tied`: a pipeline's tied ends (`load_safetensors`)."""
     materialize(model, device)
     family.init_buffers(model, device)
     if read:
-        load_safetensors(model, files, source_name=source_name)
+        load_safetensors(model, files, source_name=source_name, tied=tied or [])
 
 
 def build_model(cfg: JobConfig, env: DistEnv, family: ModelFamily, *, resuming: bool) -> BuiltModel:
@@ -63,11 +65,11 @@ def build_model(cfg: JobConfig, env: DistEnv, family: ModelFamily, *, resuming: 
         return parallelize(model, env=env, cfg=par, family=family, model_kwargs=m.kwargs,
                            block_class=m.block_class)
 
-    def fill(model: torch.nn.Module) -> None:
+    def fill(model: torch.nn.Module, tied: list[list[str]] | None = None) -> None:
         assert files is not None
         # a resumed run reads its own checkpoint (LoRA: the adapters only, the base from files)
         fill_pretrained(model, family, files, env.device, read=not resuming or m.lora is not None,
-                        source_name=base_source_name if m.lora is not None else None)
+                        source_name=base_source_name if m.lora is not None else None, tied=tied)
         if m.lora is not None:
             reset_adapters(model, cfg.train.seed)
 
@@ -84,8 +86,10 @@ def build_model(cfg: JobConfig, env: DistEnv, family: ModelFamily, *, resuming: 
         # gives its shards storage and reads only their slices of the files.
         wrapped = parallelized(model)
         # A pipeline rank fills only its stages (the meta model may be whole: copies were cut).
-        for part in wrapped.pipeline.parts if wrapped.pipeline is not None else [model]:
-            fill(part)
+        pipeline = wrapped.pipeline
+        for part in pipeline.parts if pipeline is not None else [model]:
+            # a tied head's copy on the last stage reads the tensor the files store once
+            fill(part, pipeline.tied.names if pipeline is not None and pipeline.tied is not None else None)
         return BuiltModel(wrapped, counts, base)
     # Replicas (none, ddp) hold the whole model anyway; load before DDP broadcasts it.
     fill(model)

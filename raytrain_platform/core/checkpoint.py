@@ -137,10 +137,11 @@ def load_model_weights(directory: str | os.PathLike, model: torch.nn.Module) -> 
 
 
 def read_weights(directory: str | os.PathLike, model: torch.nn.Module,
-                 keys: set[str] | None = None) -> dict[str, torch.Tensor]:
+                 keys: set[str] | None = None, *, stage: bool = False) -> dict[str, torch.Tensor]:
     """The safetensors weights of `directory`, checked against `model`'s names and
     (global) shapes, or only the names in `keys` (a LoRA checkpoint's adapters); a
-    mismatch names the keys."""
+    mismatch names the keys. With `stage`, `model` is a pipeline rank's stages: the
+    file holds the whole model, and only `model`'s tensors are returned."""
     path = Path(directory) / WEIGHTS_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} (partial checkpoint, or written "
@@ -151,14 +152,14 @@ def read_weights(directory: str | os.PathLike, model: torch.nn.Module,
         raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
     expected = {k: v for k, v in model.state_dict().items() if keys is None or k in keys}
     missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
+    unexpected = [] if stage else sorted(set(weights) - set(expected))
     wrong = sorted(k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape)
     if missing or unexpected or wrong:
         detail = "; ".join(x for x in (
             f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
             f"shape mismatch {wrong[:3]}" if wrong else "") if x)
         raise CheckpointError(f"{path}: checkpoint is for another model ({detail})")
-    return weights
+    return {k: weights[k] for k in expected} if stage else weights
 
 
 def load_checkpoint(directory: str | os.PathLike, *, wrapped, optimizer: torch.optim.Optimizer,
@@ -175,7 +176,9 @@ def load_checkpoint(directory: str | os.PathLike, *, wrapped, optimizer: torch.o
     if data.get("sharded"):
         from raytrain_platform.core.sharded import load_sharded
 
-        load_sharded(directory, module=wrapped.module, optimizer=optimizer, adapters_only=base is not None)
+        tied = wrapped.pipeline.tied if wrapped.pipeline is not None else None
+        load_sharded(directory, module=wrapped.module, optimizer=optimizer, adapters_only=base is not None,
+                     optim_aliases=tied.optim_aliases() if tied is not None else None)
     else:
         _load_unsharded(directory, data, wrapped=wrapped, optimizer=optimizer, device=device,
                         adapters_only=base is not None)
@@ -187,7 +190,9 @@ def _load_unsharded(directory, data: dict, *, wrapped, optimizer, device, adapte
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    weights = read_weights(directory, wrapped.base, keys=_trainable(wrapped.base) if adapters_only else None)
+    stage = wrapped.pipeline is not None  # a pipeline rank reads its stages' part of the whole model
+    weights = read_weights(directory, wrapped.base, keys=_trainable(wrapped.base) if adapters_only else None,
+                           stage=stage)
     optim_path = Path(directory) / OPTIM_FILE
     if not optim_path.is_file():
         raise CheckpointError(f"{directory}: no {OPTIM_FILE} (partial checkpoint)")
@@ -202,6 +207,10 @@ def _load_unsharded(directory, data: dict, *, wrapped, optimizer, device, adapte
         wrapped.base.load_state_dict(weights)
         optimizer.load_state_dict(optim_state)
         return
+    tied = wrapped.pipeline.tied if stage else None
+    for name, first in (tied.optim_aliases() if tied is not None else {}).items():
+        if first in optim_state.get("state", {}):  # the last stage's copy of a tied head: the one state
+            optim_state["state"][name] = optim_state["state"][first]
     if wrapped.sharded:  # full tensors in, each rank keeps its shard
         full = StateDictOptions(full_state_dict=True, strict=not adapters_only,
                                 ignore_frozen_params=adapters_only)

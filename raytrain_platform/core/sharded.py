@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from raytrain_platform.errors import CheckpointError
+from raytrain_platform.parallel.ties import shared_parameters
 
 __all__ = ["SHARDED_DIR", "SafeFileSystemReader", "safe_load_metadata", "save_sharded",
            "load_sharded", "load_full_model_state", "load_saved_tensors"]
@@ -183,14 +184,32 @@ def save_sharded(directory: str | os.PathLike, *, module: nn.Module,
 
 
 def load_sharded(directory: str | os.PathLike, *, module: nn.Module,
-                 optimizer: torch.optim.Optimizer, adapters_only: bool = False) -> None:
+                 optimizer: torch.optim.Optimizer, adapters_only: bool = False,
+                 optim_aliases: dict[str, str] | None = None) -> None:
     """Collective: restore model and optimizer from DCP shards into `module`'s own layout
     (FSDP shards at any world size, or the full tensors of a plain/DDP model); with
-    `adapters_only`, the trainable parameters (the frozen base is loaded already)."""
+    `adapters_only`, the trainable parameters (the frozen base is loaded already).
+    `optim_aliases`: parameters whose optimizer state is read under another name (the
+    last pipeline stage's copy of a tied LM head: the unsplit model keys the one
+    parameter's state by its first name, the embedding's; the copies' states are equal)."""
     options = StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
     model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
+    wanted: dict[str, Any] = optim_sd.get("state", {})  # type: ignore[assignment]
+    moved = {name: other for name, other in (optim_aliases or {}).items() if name in wanted}
+    for name, other in moved.items():
+        wanted[other] = wanted.pop(name)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # dcp.load fills it in place
     _load(state, directory, "model/optimizer")
+    loaded: dict[str, Any] = state["optim"].setdefault("state", {})
+    for name, other in moved.items():
+        loaded[name] = loaded.pop(other)
+    # A parameter of several names (a tied LM head): torch looks its state up under
+    # whichever name the saved param groups list, which depends on the saving layout
+    # (one rank's list of a pipeline's); the state is the one parameter's under each.
+    for names in shared_parameters(module):
+        for have in [n for n in names if n in loaded][:1]:
+            for n in names:
+                loaded.setdefault(n, loaded[have])
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
 

@@ -13,7 +13,7 @@ weight (an LM head that is the embedding) is found under any of its names.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -61,22 +61,26 @@ def _index(files: list[str]) -> dict[str, str]:
 
 @torch.no_grad()
 def load_safetensors(model: nn.Module, files: list[str],
-                     source_name: Callable[[str], str | None] | None = None) -> int:
+                     source_name: Callable[[str], str | None] | None = None,
+                     tied: Sequence[list[str]] = ()) -> int:
     """Copy every parameter and persistent buffer of `model` from `files`, this rank's
     slices only; returns the bytes read. Missing or mis-shaped tensors are one
     `CheckpointError` naming them. `source_name` maps a model name to its name in the
-    files, None for a tensor the files do not hold (a LoRA model's adapters)."""
+    files, None for a tensor the files do not hold (a LoRA model's adapters). `tied`:
+    groups of names of one tensor of the whole model, of which `model` may hold one (the
+    last pipeline stage's copy of a tied LM head: the files hold the embedding's name)."""
     from safetensors import safe_open
 
     where = _index(files)
+    also = {n: group for group in tied for n in group}
     names_of: dict[int, list[str]] = defaultdict(list)  # tied weights: one tensor, several names
     tensors: dict[int, torch.Tensor] = {}
     for fqn, t in model.state_dict(keep_vars=True).items():
-        name = source_name(fqn) if source_name is not None else fqn
-        if name is None:
-            continue
-        names_of[id(t)].append(name)
-        tensors[id(t)] = t
+        for alias in also.get(fqn, [fqn]):
+            name = source_name(alias) if source_name is not None else alias
+            if name is not None:
+                names_of[id(t)].append(name)
+                tensors[id(t)] = t
     missing = [names[0] for names in names_of.values() if not any(n in where for n in names)]
     if missing:
         raise CheckpointError(f"{Path(files[0]).parent}: the weights lack {missing[:3]} "

@@ -252,9 +252,6 @@ class HFFamily(ModelFamily):
         if model_type not in LLAMA_STYLE_TYPES:
             raise ConfigError(field_, size, f"1 for model_type {model_type!r} (a tensor-parallel plan and a "
                               f"pipeline split exist for {list(LLAMA_STYLE_TYPES)})")
-        if pp > 1 and config.get("tie_word_embeddings"):
-            raise ConfigError(field_, size, "1 for a model with tied input and output embeddings (the first "
-                              "stage holds the embedding, the last the LM head)")
         from raytrain_platform.models.hf_shapes import hf_config_shape
 
         if pp > 1:

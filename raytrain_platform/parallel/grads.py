@@ -29,13 +29,18 @@ _GroupKey = tuple[DeviceMesh, tuple[Placement, ...]] | None
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
-                   stage_group: dist.ProcessGroup | None = None) -> float:
+                   stage_group: dist.ProcessGroup | None = None,
+                   uncounted: Iterable[torch.Tensor] = ()) -> float:
     """Scale gradients in place so their global L2 norm is at most `max_norm`, as
     ``clip_grad_norm_`` does on one process; returns the norm before clipping.
-    Collective over every rank (and `stage_group`, the pipeline stages)."""
+    Collective over every rank (and `stage_group`, the pipeline stages). `uncounted`:
+    parameters among `params` scaled but left out of the norm (the last stage's copy of
+    a tied LM head: the first stage counts the one parameter they are)."""
+    params = list(params)
+    skip = {id(p) for p in uncounted}
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[_GroupKey, list[torch.Tensor]] = {}
-    for g in grads:
+    for g in (p.grad for p in params if p.grad is not None and id(p) not in skip):
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g)
     device = grads[0].device if grads else torch.device("cpu")

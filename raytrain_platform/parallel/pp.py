@@ -10,6 +10,14 @@ steady state: at most pp_size micro-batches of activations alive) and interleave
 1F1B (2 stages per rank, looped: a smaller bubble). Each micro-batch is cut into
 ``pp_microbatches`` chunks; the loss is computed on the last stage only.
 
+A tied LM head (the embedding's weight: Llama 3.2 1B, the small Qwens) is one
+parameter of the unsplit model, held by the first stage (the embedding) and the last
+(the head). As Megatron does, the last stage keeps its own copy: both start equal
+(the same seed, or the same tensor read from the files, where it is stored once, under
+the embedding's name), their gradients are summed over the two stages before each
+optimizer step, so both take the same update, and the gradient norm counts it once.
+The checkpoint holds it under both names, as the unsplit model's state dict does.
+
 Gradient scaling: the schedule's own ``scale_grads`` would divide *all* gradients
 after every step, including those accumulated over earlier micro-steps; here the
 loss of each chunk is divided by the chunk count instead (``scale_grads=False``), so
@@ -27,6 +35,7 @@ import copy
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -35,6 +44,7 @@ from raytrain_platform.errors import ConfigError
 from raytrain_platform.parallel.base import CommCount, CommCounter, Parallelized
 from raytrain_platform.parallel.dims import PP_SCHEDULES, stage_blocks
 from raytrain_platform.parallel.grads import allreduce_grads, clip_grad_norm
+from raytrain_platform.parallel.ties import shared_parameters
 from raytrain_platform.models.family import PipelineLayout
 
 __all__ = ["apply_pp", "PipelineRunner"]
@@ -82,6 +92,75 @@ def _prune(model: nn.Module, layout: PipelineLayout, blocks: range, *, first: bo
     return model
 
 
+def _owner(name: str, layout: PipelineLayout) -> str:
+    """Where a parameter lives in the split: "first", "last" or "blocks"."""
+    def under(paths: tuple[str, ...]) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in paths)
+    return "first" if under(layout.first) else "last" if under(layout.last) else "blocks"
+
+
+def _tied_ends(model: nn.Module, layout: PipelineLayout) -> list[list[str]]:
+    """The names of each parameter held both by the first stage's ends and by the last's
+    (an LM head tied to its embedding), the first stage's name first. A parameter shared
+    between blocks, or between a block and an end, could sit on any two stages: refused."""
+    tied = []
+    for group in shared_parameters(model):
+        owners = [_owner(n, layout) for n in group]
+        if len(set(owners)) == 1 and owners[0] != "blocks":
+            continue  # on one stage: one parameter there, as unsplit
+        if "blocks" in owners:
+            raise ValueError(f"pipeline stages cannot split the shared parameter {group}: only one held by "
+                             f"the first stage's {layout.first} and the last stage's {layout.last} is kept in step")
+        tied.append(sorted(group, key=lambda n: owners[group.index(n)] != "first"))
+    return tied
+
+
+def _tie_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """This rank's group with the rank of the other end of its pipeline (the first and
+    the last stage of one data-parallel replica); None on the ranks in between.
+    Collective: every rank calls it."""
+    pp_mesh = mesh["pp"]
+    if pp_mesh.size() == 2:
+        return pp_mesh.get_group()
+    ranks = mesh.mesh  # (pp, dp, tp) global ranks
+    pairs = [[int(a), int(b)] for a, b in zip(ranks[0].flatten(), ranks[-1].flatten())]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group
+
+
+class TiedEnds:
+    """The gradients of a tied LM head's two copies (the first stage's embedding, the
+    last stage's head) summed over the pair of ranks holding them, so both copies take
+    the same update. `names` are the groups of `_tied_ends`; the parameters are looked
+    up when used (a meta-device build gives the modules new ones after the split)."""
+
+    def __init__(self, holder: nn.Module, names: list[list[str]], group: dist.ProcessGroup | None):
+        held = {n for n, _ in holder.named_parameters(remove_duplicate=False)}
+        self.holder, self.names, self.group = holder, names, group
+        self.held = [n for g in names for n in g if n in held]  # this rank's copies (none mid-pipeline)
+        self.second = [g[-1] for g in names if g[-1] in held and g[0] not in held]  # the last stage's
+
+    def optim_aliases(self) -> dict[str, str]:
+        """The last stage's copies -> the name whose optimizer state they resume from
+        (the unsplit model's: the embedding's; `core.sharded.load_sharded`)."""
+        return {g[-1]: g[0] for g in self.names if g[-1] in self.second}
+
+    def second_copies(self) -> list[nn.Parameter]:
+        """The last stage's copies: left out of the gradient norm (counted on the first)."""
+        return [self.holder.get_parameter(n) for n in self.second]
+
+    def sync(self) -> None:
+        if self.group is None:
+            return
+        for name in self.held:
+            p = self.holder.get_parameter(name)
+            grad = p.grad
+            if grad is None:  # no gradient this step: the other end's alone, and zeros here
+                grad = p.grad = torch.zeros_like(p)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=self.group)
+
+
 def _merge(parts: list[nn.Module], layout: PipelineLayout) -> nn.Module:
     """One module holding every local stage's parts under their original names: what
     the optimizer steps and the checkpoint saves (``blocks.5.attn...``, as unsplit)."""
@@ -116,6 +195,7 @@ class PipelineRunner:
         self.has_first, self.has_last, self.device = has_first, has_last, device
         self.loss_fn: LossFn | None = None
         self.grad_sync: Callable[[], None] | None = None  # PP x DDP: all-reduce over dp
+        self.tied: TiedEnds | None = None  # a tied LM head: its copies' gradients summed
         # This rank's stage modules, whole (blocks, ends, buffers): what a meta-device
         # build gives storage and fills with pretrained weights, each its own slices.
         self.parts: list[nn.Module] = []
@@ -137,6 +217,8 @@ class PipelineRunner:
                            losses=losses if self.has_last else None)
         if sync and self.grad_sync is not None:
             self.grad_sync()
+        if sync and self.tied is not None:
+            self.tied.sync()
         if not self.has_last:
             return torch.zeros((), device=self.device)
         return torch.stack([x.detach() for x in losses]).sum()
@@ -185,6 +267,7 @@ def apply_pp(model: nn.Module, *, env, cfg, mesh: DeviceMesh, layout: PipelineLa
         raise ConfigError("parallel.pp_split", cfg.pp_split, f"{n_stages} block counts summing to the "
                           f"{n_blocks} blocks the model was built with")
     stage_ids = [rank + k * pp for k in range(per_rank)]  # looped: rank r holds r, r + pp, ...
+    tied_names = _tied_ends(model, layout)
     parts = []
     for sid in stage_ids:
         part = model if per_rank == 1 else copy.deepcopy(model)
@@ -203,8 +286,12 @@ def apply_pp(model: nn.Module, *, env, cfg, mesh: DeviceMesh, layout: PipelineLa
         synced = CommCounter()  # the flat all-reduce of all this rank's stages, once per step
         runner.grad_sync = _counted_allreduce(holder, mesh["dp"].get_group(), synced)
         counts.append(synced)
+    if tied_names:
+        runner.tied = TiedEnds(holder, tied_names, _tie_group(mesh))
+    tied = runner.tied
     return Parallelized(
         module=holder, base=holder, sharded=True, comm=_SummedCounter(counts),
-        clip_grad_norm=lambda max_norm: clip_grad_norm(holder.parameters(), max_norm,
-                                                       stage_group=pp_mesh.get_group()),
+        clip_grad_norm=lambda max_norm: clip_grad_norm(
+            holder.parameters(), max_norm, stage_group=pp_mesh.get_group(),
+            uncounted=tied.second_copies() if tied is not None else ()),
         pipeline=runner, loss_ranks=mesh["dp"].size() * mesh["tp"].size())

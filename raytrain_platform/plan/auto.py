@@ -136,8 +136,8 @@ def _option_for(cfg: JobConfig, plan) -> Option:
 def refused_splits(family: ModelFamily, kwargs: dict, shape: ModelShape, *, pp_schedule: str = "1f1b",
                    pp_split: list[int] | None = None) -> dict[str, str]:
     """The splits ("tp", "pp") the model's family refuses of those the plan could pick,
-    each with the family's reason: an `hf` model with tied embeddings has no PP, and
-    one of a type without a TP plan and pipeline split has neither. The plan then shows them as no
+    each with the family's reason: an `hf` model of a type without a TP plan and
+    pipeline split has neither, and no model has more stages than blocks. The plan then shows them as no
     option (`rtp plan`), and `auto` chooses among layouts that run or says none fits.
     Sizes the plan never picks (TP not dividing the heads, PP above the layer count) are
     not asked about; PP is asked with the config's schedule and split."""
