@@ -303,14 +303,15 @@ def test_vllm_config_for_an_hf_export_validates_against_ray_serve_llm(models, tm
 
     out = tmp_path / "llm.yaml"
     assert rtp(["serve", f"tiny={models['export']}", "--write-config", str(out), "--engine", "vllm",
-                "--min-replicas", "1", "--max-replicas", "4"]) == 0
+                "--min-replicas", "1", "--max-replicas", "4", "--downscale-delay-s", "120"]) == 0
     config = yaml.safe_load(out.read_text())
     app = config["applications"][0]
     assert app["import_path"] == "ray.serve.llm:build_openai_app"
     llm = LLMConfig.model_validate(app["args"]["llm_configs"][0])
     assert llm.model_id == "tiny" and llm.model_loading_config.model_source == str(models["export"])
     assert llm.engine_kwargs["max_model_len"] == 256
-    assert llm.deployment_config["autoscaling_config"]["max_replicas"] == 4
+    scaling = llm.deployment_config["autoscaling_config"]
+    assert scaling["max_replicas"] == 4 and scaling["downscale_delay_s"] == 120 and scaling["upscale_delay_s"] == 30
     torch_config = tmp_path / "serve.yaml"  # --engine torch (default): this package's builder, hf paths as given
     assert rtp(["serve", f"tiny={models['export']}", str(models["sweep"]), "--write-config", str(torch_config)]) == 0
     args = yaml.safe_load(torch_config.read_text())["applications"][0]["args"]
@@ -363,6 +364,8 @@ def local(models):
 def test_models_list_in_openai_shape_with_step_and_metrics(client, models):
     listed = {m.id: m for m in client.models.list()}
     assert set(listed) == {"sweep/a", "sweep/b", "tiny", "gpt", "user", "user_clf"}
+    for name in ("tiny", "sweep/a"):  # OpenAI's retrieval: the model as listed
+        assert client.models.retrieve(name).model_dump() == listed[name].model_dump()
     tiny_model = listed["tiny"]
     assert tiny_model.object == "model" and tiny_model.owned_by == "raytrain_platform" and tiny_model.created > 0
     extra = tiny_model.model_extra
@@ -446,6 +449,14 @@ def test_typed_errors_in_openai_shape_and_the_server_lives_on(client, served):
         (openai.BadRequestError, {"model": "tiny", "prompt": "a", "n": 0}, "n = 1 only", "n"),
         (openai.BadRequestError, {"model": "tiny", "prompt": ""}, "non-empty", "prompt"),
         (openai.BadRequestError, {"model": "sweep/a", "prompt": "a", "extra_body": {"colour": 1}}, "colour", "colour"),
+        # a field of two types names the field, and what each type needed (not pydantic's
+        # union branch, "prompt.str"); a bad list item is named by its index
+        (openai.BadRequestError, {"model": "tiny", "prompt": 123},
+         "prompt: Input should be a valid string, or Input should be a valid list (got 123)", "prompt"),
+        (openai.BadRequestError, {"model": "tiny", "prompt": "a", "stop": ["a", 5]},
+         "stop.1: Input should be a valid string (got 5)", "stop.1"),
+        (openai.BadRequestError, {"model": "tiny", "prompt": "a", "stream_options": {"include_usage": True}},
+         "only with stream: true", "stream_options"),
     ]
     for kind, kwargs, message, param in cases:
         with pytest.raises(kind) as err:
@@ -457,6 +468,17 @@ def test_typed_errors_in_openai_shape_and_the_server_lives_on(client, served):
         client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as err:  # only text parts
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    assert err.value.body["param"] == "messages.0.content.0.type", err.value.body
+    assert err.value.body["message"].startswith("messages.0.content.0.type: Input should be 'text' (got 'image_url')")
+    r = requests.post(f"{served}/v1/completions", data=b'\xff\xfe{"prompt": "a"}', timeout=60,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        "body: not a JSON object in UTF-8 (could not be read as UTF-8 JSON)", r.text
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("nope")
+    assert err.value.body["code"] == "model_not_found" and "known ids: " in err.value.body["message"]
     r = requests.post(served + "/v1/generate", json={"prompt": "a", "model": "tiny"}, timeout=60)
     assert r.status_code == 400 and "use POST /v1/completions" in r.json()["error"]["message"]
     # JSON's \ud800 escape parses into a lone surrogate, which no tokenizer encodes: a 400, not a 500.

@@ -7,6 +7,7 @@ per replica).
     POST /v1/predict    tabular models: feature rows -> predictions (+ class probabilities)
     POST /v1/generate   byte-level LMs: prompt -> generated text (same seed, same text)
     GET  /v1/models     OpenAI's model list, plus each model's config, step and training metrics
+    GET  /v1/models/ID  one of them (OpenAI's model retrieval)
     GET  /healthz       liveness
     GET  /docs          OpenAPI
 
@@ -298,6 +299,15 @@ class ModelServer:
     async def models(self) -> ModelsResponse:
         """OpenAI's model list; each model with its config, checkpoint step and training metrics."""
         return ModelsResponse(data=[ModelInfo(**entry) for entry in self.catalog.values()])
+
+    @api.get("/v1/models/{model_id:path}", response_model=ModelInfo, responses=ERROR_RESPONSES)  # ids hold "/"
+    async def model(self, model_id: str) -> ModelInfo:
+        """OpenAI's model retrieval: one served model, as the list shows it."""
+        entry = self.catalog.get(model_id)
+        if entry is None:
+            raise error(404, f"unknown model id {model_id!r}; known ids: {', '.join(self.catalog)}",
+                        param="model", code="model_not_found")
+        return ModelInfo(**entry)
 
     @api.get("/healthz", response_model=HealthResponse)
     async def healthz(self) -> HealthResponse:

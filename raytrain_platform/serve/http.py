@@ -9,6 +9,8 @@ exception.
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -87,13 +89,25 @@ def _error_response(status: int, message: str, *, param: str | None = None,
     return JSONResponse(error_body(status, message, param=param, code=code), status_code=status)
 
 
+# A union member's tag in an error location (``str``, ``list[str]``, ``list[_TextPart]``):
+# pydantic's name for the branch tried, not a field of the request.
+_UNION_TAG = re.compile(r"^[\w-]+\[.*\]$|^(str|int|float|bool|bytes|none|dict|list)$")
+
+
+def _fields(loc: tuple) -> tuple:
+    """An error location as the request's own fields (no ``body``, no union tags)."""
+    return tuple(p for p in loc if p != "body" and not (isinstance(p, str) and _UNION_TAG.match(p)))
+
+
 def _location(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or "body"
+    return ".".join(str(p) for p in _fields(loc)) or "body"
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | None]:
-    """(status, one-line message, the field at fault)."""
+    """(status, one-line message, the field at fault). A field of several allowed types
+    (``prompt``: a string or a list of strings) fails once per type: the message names
+    the deepest field that failed (``stop.1``, not ``stop.str``), and where the types
+    failed at the field itself, what each would have needed."""
     errors = exc.errors()
     first = errors[0]
     if first.get("type") == "json_invalid":
@@ -101,11 +115,22 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | No
         return 400, f"malformed JSON body: {reason}", None
     if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
         return 422, "missing JSON body", None
-    value = first.get("input")
-    shown = "" if first.get("type") == "missing" or isinstance(value, (dict, list)) else f" (got {value!r:.60})"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    where = _location(first.get("loc", ()))
-    return 422, f"{where}: {first.get('msg')}{shown}{more}", where
+    root = _fields(first.get("loc", ()))[:1]
+    same = [e for e in errors if _fields(e.get("loc", ()))[:1] == root]  # the one field's union branches
+    deepest = max(len(_fields(e.get("loc", ()))) for e in same)
+    chosen = [e for e in same if len(_fields(e.get("loc", ()))) == deepest]
+    at = _fields(chosen[0].get("loc", ()))
+    chosen = [e for e in chosen if _fields(e.get("loc", ())) == at]
+    value = chosen[0].get("input")
+    missing = chosen[0].get("type") == "missing"
+    shown = "" if missing or isinstance(value, (dict, list)) else f" (got {value!r:.60})"
+    message = ", or ".join(dict.fromkeys(str(e.get("msg")) for e in chosen))
+    # other fields' errors, and this field's at other places as deep (a list's other items)
+    rest = len(errors) - len(same) + sum(len(_fields(e.get("loc", ()))) == deepest
+                                         and _fields(e.get("loc", ())) != at for e in same)
+    more = f" (and {rest} more)" if rest else ""
+    where = _location(chosen[0].get("loc", ()))
+    return 422, f"{where}: {message}{shown}{more}", where
 
 
 def make_api(title: str, version: str) -> FastAPI:
@@ -124,6 +149,8 @@ def make_api(title: str, version: str) -> FastAPI:
     @api.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         message = str(exc.detail)
+        if exc.status_code == 400 and message == "There was an error parsing the body":
+            message = "body: not a JSON object in UTF-8 (could not be read as UTF-8 JSON)"
         if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
             message = f"{request.method} {request.url.path}: {message.lower()} (see /docs)"
         return _error_response(exc.status_code, message, param=getattr(exc, "param", None),

@@ -5,7 +5,9 @@ package's own replica), with vLLM's paged attention, CUDA graphs and tensor para
 
 Each model becomes one ``LLMConfig``: its id, the folder as ``model_source``, the
 context as ``max_model_len``, and the replicas (fixed, or autoscaling between
-``min_replicas`` and ``max_replicas``). vLLM needs a GPU, so here the config is checked
+``min_replicas`` and ``max_replicas`` with the same target, delays and window). The
+torch replica's own limits (max_new_tokens, max_prompt_bytes, batching, CPUs per
+replica) are this package's engine's, not vLLM's: they are not written. vLLM needs a GPU, so here the config is checked
 against Ray's own schemas instead: Serve's ``ServeDeploySchema`` for the file, and
 ``LLMConfig`` (``ray.serve.llm.LLMConfig`` is a plain subclass of the class used here,
 which imports without vLLM) for every model.
@@ -36,7 +38,10 @@ def _llm_config(entry: dict, options: ServeOptions) -> dict[str, Any]:
     if options.max_replicas:
         deployment["autoscaling_config"] = {"min_replicas": options.min_replicas,
                                             "max_replicas": options.max_replicas,
-                                            "target_ongoing_requests": options.target_ongoing_requests}
+                                            "target_ongoing_requests": options.target_ongoing_requests,
+                                            "upscale_delay_s": options.upscale_delay_s,
+                                            "downscale_delay_s": options.downscale_delay_s,
+                                            "look_back_period_s": options.look_back_period_s}
     else:
         deployment["num_replicas"] = options.num_replicas
     engine_kwargs: dict[str, Any] = {"tensor_parallel_size": 1}
