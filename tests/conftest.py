@@ -58,6 +58,27 @@ def hf_config(tmp: Path, name: str, model_dir: Path, **sections) -> dict:
         train=dict(LM_TRAIN), run={"keep_checkpoints": 4}), **sections)
 
 
+def tied_copy(model_dir: Path, out: Path) -> Path:
+    """The Hugging Face model in `model_dir` with its LM head tied to the embedding (as
+    Llama 3.2 1B and the small Qwens), saved in `out` by `save_pretrained` as such a model
+    is published: the file holds ``model.embed_tokens.weight`` and no head."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(model_dir, out)
+    (out / "model.safetensors").unlink()
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(config)
+    state = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).state_dict()
+    model.load_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"}, strict=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(out)
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    return out
+
+
 def train_in_process(root: Path, cfg: dict) -> Path:
     """Train `cfg` with the Ray-free core in this process (no Ray: about a second for a
     small model); its YAML goes beside `root`. Returns the run directory."""

@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import (LM_TRAIN, ROOT, LayoutRuns, assert_losses_close, hf_config, torchrun_launch,
+from conftest import (LM_TRAIN, ROOT, LayoutRuns, assert_losses_close, hf_config, tied_copy, torchrun_launch,
                       torchrun_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -389,24 +389,8 @@ def _resume_elsewhere(runs: LayoutRuns, model: Path, source: str, target: str, n
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory, tiny) -> Path:
     """The tiny Llama with its LM head tied to the embedding (as Llama 3.2 1B and the small
-    Qwens), saved by `save_pretrained` as such a model is published: the head is not in the
-    file, only ``model.embed_tokens.weight``."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("tied") / "model"
-    shutil.copytree(tiny["model"], out)
-    (out / "model.safetensors").unlink()
-    config = AutoConfig.from_pretrained(tiny["model"], local_files_only=True)
-    config.tie_word_embeddings = True
-    model = AutoModelForCausalLM.from_config(config)
-    state = AutoModelForCausalLM.from_pretrained(tiny["model"], local_files_only=True).state_dict()
-    model.load_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"}, strict=False)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    model.save_pretrained(out)
-    with safe_open(out / "model.safetensors", framework="pt") as f:
-        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
-    return out
+    Qwens): `conftest.tied_copy`."""
+    return tied_copy(tiny["model"], tmp_path_factory.mktemp("tied") / "model")
 
 
 TIED_LAYOUTS = {"fsdp2": LAYOUTS["fsdp2"], "tp2": LAYOUTS["tp2"], "tp2_fsdp2": LAYOUTS["tp2_fsdp2"],

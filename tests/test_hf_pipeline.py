@@ -25,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, LayoutRuns, assert_losses_close, hf_config
+from conftest import ROOT, LayoutRuns, assert_losses_close, hf_config, tied_copy, torchrun_metrics
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(600)
@@ -135,25 +135,8 @@ def test_interleaved_stages_load_their_own_weights_match_one_process_and_export(
 
 @pytest.fixture(scope="module")
 def tied4(tmp_path_factory, tiny4):
-    """`tiny4` with its LM head tied to the embedding, saved as such a model is published
-    (``save_pretrained``: the file holds ``model.embed_tokens.weight`` only)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("tied4") / "model"
-    import shutil
-
-    shutil.copytree(tiny4["model"], out)
-    (out / "model.safetensors").unlink()
-    config = AutoConfig.from_pretrained(tiny4["model"], local_files_only=True)
-    config.tie_word_embeddings = True
-    model = AutoModelForCausalLM.from_config(config)
-    state = AutoModelForCausalLM.from_pretrained(tiny4["model"], local_files_only=True).state_dict()
-    model.load_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"}, strict=False)
-    model.save_pretrained(out)
-    with safe_open(out / "model.safetensors", framework="pt") as f:
-        assert "lm_head.weight" not in f.keys()
-    return out
+    """`tiny4` with its LM head tied to the embedding (`conftest.tied_copy`)."""
+    return tied_copy(tiny4["model"], tmp_path_factory.mktemp("tied4") / "model")
 
 
 def _tied_runs(root, model, layouts) -> LayoutRuns:
@@ -214,3 +197,39 @@ def test_a_tied_head_on_more_stages_or_sharded_stages_matches_one_process(tmp_pa
     one, got = runs["reference"], runs[name]
     assert_losses_close([r["loss"] for r in got], [r["loss"] for r in one], rtol=1e-5)
     assert_losses_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in one], rtol=1e-4)
+    if random:
+        # The 3 stages' step-5 checkpoint into one process: the saved param-group lists are
+        # one rank's (DCP keeps one copy), here maybe the middle stage's, which names
+        # neither end; the optimizer takes its own lists, so the tied weight's state loads.
+        import shutil
+
+        src, dst = runs.root / name, runs.root / f"{name}_resumed_on_1"
+        shutil.copytree(src, dst)
+        shutil.rmtree(dst / "checkpoint_000010")
+        cfg = hf_config(runs.root, dst.name, tied4, **init)
+        rows = torchrun_metrics(cfg, runs.root / f"{dst.name}.yaml", 1, timeout=300)
+        assert [r["step"] for r in rows] == list(range(6, 11)), rows
+        assert_losses_close([r["loss"] for r in rows], [r["loss"] for r in got if r["step"] > 5], rtol=1e-5)
+
+
+def test_a_pipeline_rank_reads_its_part_of_a_whole_checkpoint_and_refuses_another_models(tmp_path):
+    """A one-process (or DDP) checkpoint resumed as pipeline stages: each rank takes its
+    stages' tensors from the whole model's file; a file with tensors the unsplit model
+    lacks (a deeper model of the same widths) is refused, as it is without stages."""
+    from torch import nn
+
+    from raytrain_platform.core.checkpoint import WEIGHTS_FILE, read_weights, write_weights
+    from raytrain_platform.errors import CheckpointError
+
+    whole = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    part = copy.deepcopy(whole)
+    del part[1]  # the first stage: layer 0
+    write_weights(tmp_path / WEIGHTS_FILE, whole)
+    got = read_weights(tmp_path, part, whole=set(whole.state_dict()))
+    assert sorted(got) == ["0.bias", "0.weight"] and torch.equal(got["0.weight"], whole[0].weight)
+    deeper = tmp_path / "deeper"
+    deeper.mkdir()
+    write_weights(deeper / WEIGHTS_FILE, nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)))
+    with pytest.raises(CheckpointError, match=r"checkpoint is for another model \(unexpected \['2.bias', "
+                                              r"'2.weight'\]\)"):
+        read_weights(deeper, part, whole=set(whole.state_dict()))

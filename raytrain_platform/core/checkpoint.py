@@ -137,11 +137,12 @@ def load_model_weights(directory: str | os.PathLike, model: torch.nn.Module) -> 
 
 
 def read_weights(directory: str | os.PathLike, model: torch.nn.Module,
-                 keys: set[str] | None = None, *, stage: bool = False) -> dict[str, torch.Tensor]:
+                 keys: set[str] | None = None, *, whole: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The safetensors weights of `directory`, checked against `model`'s names and
     (global) shapes, or only the names in `keys` (a LoRA checkpoint's adapters); a
-    mismatch names the keys. With `stage`, `model` is a pipeline rank's stages: the
-    file holds the whole model, and only `model`'s tensors are returned."""
+    mismatch names the keys. With `whole` (the unsplit model's names), `model` is a
+    pipeline rank's stages: the file must hold the whole model, and only `model`'s
+    tensors are returned."""
     path = Path(directory) / WEIGHTS_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} (partial checkpoint, or written "
@@ -152,14 +153,14 @@ def read_weights(directory: str | os.PathLike, model: torch.nn.Module,
         raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
     expected = {k: v for k, v in model.state_dict().items() if keys is None or k in keys}
     missing = sorted(set(expected) - set(weights))
-    unexpected = [] if stage else sorted(set(weights) - set(expected))
+    unexpected = sorted(set(weights) - (set(expected) if whole is None else whole))
     wrong = sorted(k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape)
     if missing or unexpected or wrong:
         detail = "; ".join(x for x in (
             f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
             f"shape mismatch {wrong[:3]}" if wrong else "") if x)
         raise CheckpointError(f"{path}: checkpoint is for another model ({detail})")
-    return {k: weights[k] for k in expected} if stage else weights
+    return weights if whole is None else {k: weights[k] for k in expected}
 
 
 def load_checkpoint(directory: str | os.PathLike, *, wrapped, optimizer: torch.optim.Optimizer,
@@ -192,7 +193,7 @@ def _load_unsharded(directory, data: dict, *, wrapped, optimizer, device, adapte
 
     stage = wrapped.pipeline is not None  # a pipeline rank reads its stages' part of the whole model
     weights = read_weights(directory, wrapped.base, keys=_trainable(wrapped.base) if adapters_only else None,
-                           stage=stage)
+                           whole=wrapped.pipeline.whole if stage else None)
     optim_path = Path(directory) / OPTIM_FILE
     if not optim_path.is_file():
         raise CheckpointError(f"{directory}: no {OPTIM_FILE} (partial checkpoint)")

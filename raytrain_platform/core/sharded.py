@@ -198,14 +198,18 @@ def load_sharded(directory: str | os.PathLike, *, module: nn.Module,
     moved = {name: other for name, other in (optim_aliases or {}).items() if name in wanted}
     for name, other in moved.items():
         wanted[other] = wanted.pop(name)
+    # This optimizer's own parameter names per group: the file holds one saving rank's
+    # lists (DCP keeps one copy of a key every rank wrote), another layout's names.
+    groups: list[dict[str, Any]] = optim_sd.get("param_groups", [])  # type: ignore[assignment]
+    own = [list(g["params"]) for g in groups]
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # dcp.load fills it in place
     _load(state, directory, "model/optimizer")
+    for group, names in zip(state["optim"].get("param_groups", []), own):
+        group["params"] = names
     loaded: dict[str, Any] = state["optim"].setdefault("state", {})
     for name, other in moved.items():
         loaded[name] = loaded.pop(other)
-    # A parameter of several names (a tied LM head): torch looks its state up under
-    # whichever name the saved param groups list, which depends on the saving layout
-    # (one rank's list of a pipeline's); the state is the one parameter's under each.
+    # A parameter of several names (a tied LM head): its state under each of them.
     for names in shared_parameters(module):
         for have in [n for n in names if n in loaded][:1]:
             for n in names:

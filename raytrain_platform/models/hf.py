@@ -20,7 +20,8 @@ safetensors with ``model.safetensors.index.json``, the tokenizer files).
   LM head by columns; heads and key/value heads must divide by ``tp_size``. They also
   split into pipeline stages by decoder layer (models/hf_pipeline.py): the embedding on
   the first stage, the final norm and LM head on the last. Tied input and output
-  embeddings take TP (one parameter, both splits cutting the vocabulary) but not PP.
+  embeddings take TP (one parameter, both splits cutting the vocabulary) and PP (the
+  last stage keeps a copy in step with the first's embedding, parallel/pp.py).
 
 Checks that need only the JSON run with the config (no torch); the rest (transformers
 knows the architecture, it is a causal LM) run before Ray starts (`precheck`).

@@ -108,9 +108,10 @@ def _tied_ends(model: nn.Module, layout: PipelineLayout) -> list[list[str]]:
         owners = [_owner(n, layout) for n in group]
         if len(set(owners)) == 1 and owners[0] != "blocks":
             continue  # on one stage: one parameter there, as unsplit
-        if "blocks" in owners:
-            raise ValueError(f"pipeline stages cannot split the shared parameter {group}: only one held by "
-                             f"the first stage's {layout.first} and the last stage's {layout.last} is kept in step")
+        if "blocks" in owners or len(group) != 2:
+            raise ValueError(f"pipeline stages cannot split the shared parameter {group}: only one held under "
+                             f"one name by the first stage's {layout.first} and one by the last stage's "
+                             f"{layout.last} is kept in step")
         tied.append(sorted(group, key=lambda n: owners[group.index(n)] != "first"))
     return tied
 
@@ -196,6 +197,7 @@ class PipelineRunner:
         self.loss_fn: LossFn | None = None
         self.grad_sync: Callable[[], None] | None = None  # PP x DDP: all-reduce over dp
         self.tied: TiedEnds | None = None  # a tied LM head: its copies' gradients summed
+        self.whole: set[str] = set()  # the unsplit model's state-dict names
         # This rank's stage modules, whole (blocks, ends, buffers): what a meta-device
         # build gives storage and fills with pretrained weights, each its own slices.
         self.parts: list[nn.Module] = []
@@ -268,6 +270,7 @@ def apply_pp(model: nn.Module, *, env, cfg, mesh: DeviceMesh, layout: PipelineLa
                           f"{n_blocks} blocks the model was built with")
     stage_ids = [rank + k * pp for k in range(per_rank)]  # looped: rank r holds r, r + pp, ...
     tied_names = _tied_ends(model, layout)
+    whole = set(model.state_dict())  # the unsplit model's names (a meta model: no storage)
     parts = []
     for sid in stage_ids:
         part = model if per_rank == 1 else copy.deepcopy(model)
@@ -280,6 +283,7 @@ def apply_pp(model: nn.Module, *, env, cfg, mesh: DeviceMesh, layout: PipelineLa
                             has_last=n_stages - 1 in stage_ids, device=env.device)
     runner.schedule = _schedule(cfg.pp_schedule, stages, chunks, runner.chunk_loss)
     runner.parts = parts
+    runner.whole = whole
     holder = parts[0] if per_rank == 1 else _merge(parts, layout)
     counts = [w.comm for w in wrapped]  # each stage's own collectives (FSDP's reduce-scatters)
     if mesh["dp"].size() > 1 and cfg.strategy == "ddp":
