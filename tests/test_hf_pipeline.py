@@ -201,15 +201,23 @@ def test_a_tied_head_on_more_stages_or_sharded_stages_matches_one_process(tmp_pa
         # The 3 stages' step-5 checkpoint into one process: the saved param-group lists are
         # one rank's (DCP keeps one copy), here maybe the middle stage's, which names
         # neither end; the optimizer takes its own lists, so the tied weight's state loads.
+        # Its config names the model's files with halved weights: a run that started over
+        # from them instead of resuming would train other losses.
         import shutil
 
-        src, dst = runs.root / name, runs.root / f"{name}_resumed_on_1"
+        from safetensors.torch import load_file, save_file
+
+        src, dst, halved = runs.root / name, runs.root / f"{name}_resumed_on_1", runs.root / "halved"
         shutil.copytree(src, dst)
         shutil.rmtree(dst / "checkpoint_000010")
-        cfg = hf_config(runs.root, dst.name, tied4, **init)
-        rows = torchrun_metrics(cfg, runs.root / f"{dst.name}.yaml", 1, timeout=300)
-        assert [r["step"] for r in rows] == list(range(6, 11)), rows
-        assert_losses_close([r["loss"] for r in rows], [r["loss"] for r in got if r["step"] > 5], rtol=1e-5)
+        shutil.copytree(tied4, halved)
+        save_file({k: v * 0.5 for k, v in load_file(halved / "model.safetensors").items()},
+                  halved / "model.safetensors", metadata={"format": "pt"})
+        rows = torchrun_metrics(hf_config(runs.root, dst.name, halved), runs.root / f"{dst.name}.yaml", 1,
+                                timeout=300)
+        resumed = [r for r in rows if r["step"] > 5]
+        assert [r["step"] for r in resumed] == list(range(6, 11)), rows
+        assert_losses_close([r["loss"] for r in resumed], [r["loss"] for r in got if r["step"] > 5], rtol=1e-5)
 
 
 def test_a_pipeline_rank_reads_its_part_of_a_whole_checkpoint_and_refuses_another_models(tmp_path):
