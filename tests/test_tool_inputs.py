@@ -67,6 +67,16 @@ def test_tiny_llm_refuses_a_path_under_a_file(tmp_path, capsys):
     assert f"({tmp_path / 'afile'} is a file, so it cannot be created)" in one_line(capsys)
 
 
+def test_tiny_llm_refuses_a_model_larger_than_the_memory_before_writing(tmp_path, capsys):
+    """--hidden 1000000 used to run until the machine ran out of memory building it."""
+    out = tmp_path / "out"
+    assert tiny_llm.main([str(out), *SMALL[:4], "--hidden", "1000000", "--heads", "2", "--kv-heads", "1"]) == 2
+    err = one_line(capsys)
+    assert err.startswith("tiny_llm: error: --hidden, --layers, --intermediate = '") and \
+        "parameters': expected a model whose build and save fit the memory available (about " in err, err
+    assert not out.exists()
+
+
 def test_tiny_llm_refuses_a_folder_it_may_not_write(capsys):
     """/proc takes no new entries, for root too (root passes every permission check,
     so a chmod 555 folder would not show it)."""

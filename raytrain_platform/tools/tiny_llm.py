@@ -302,11 +302,48 @@ def _check_all(out: str | Path, *, samples: int, vocab_size: int, names: Mapping
         raise ConfigError(n("vocab_size"), vocab_size, "an integer >= 300 (256 bytes + specials + merges)")
     if not (isinstance(samples, int) and not isinstance(samples, bool) and samples >= 1):
         raise ConfigError(n("samples"), samples, "an integer >= 1")
+    _check_fits(vocab_size, names=names, **model_kw)
     try:
         _qa_pairs(samples)  # enough docstrings? (cached for make_instruction_jsonl)
     except ConfigError as exc:
         raise ConfigError(n("samples"), exc.value, exc.allowed) from None
     _check_out(Path(out), n("out"))
+
+
+def model_params(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                 num_kv_heads: int = 2, intermediate_size: int = 128, arch: str = "llama", **_: object) -> int:
+    """The parameters `make_model` builds (untied embedding and head; qwen2's q/k/v biases).
+
+    >>> model_params(512, hidden_size=64, num_layers=2)  # as transformers counts its LlamaForCausalLM
+    139584
+    """
+    kv = hidden_size // num_heads * num_kv_heads
+    attention = 2 * hidden_size * hidden_size + 2 * hidden_size * kv + (hidden_size + 2 * kv if arch == "qwen2" else 0)
+    layer = attention + 3 * hidden_size * intermediate_size + 2 * hidden_size
+    return 2 * vocab_size * hidden_size + num_layers * layer + hidden_size
+
+
+def _available_bytes() -> int:
+    """Memory this machine can give now (MemAvailable; else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_fits(vocab_size: int, *, names: Mapping[str, str] | None = None, **model_kw) -> None:
+    """ConfigError unless the model's build and save fit the memory available: built in
+    fp32, cast to its dtype (a second copy), then written (about 8 bytes a parameter)."""
+    params = model_params(vocab_size, **model_kw)
+    need, have = 8 * params, _available_bytes()
+    if need > have:
+        flags = ", ".join((names or {}).get(f, f) for f in ("hidden_size", "num_layers", "intermediate_size"))
+        raise ConfigError(flags, f"{params:,} parameters", f"a model whose build and save fit the memory available "
+                          f"(about {need / 2**30:.1f} GiB for this one; {have / 2**30:.1f} GiB available)")
 
 
 def make_all(out: str | Path, *, arch: str = "llama", samples: int = 2000, vocab_size: int = 512,
