@@ -7,8 +7,8 @@ Each model becomes one ``LLMConfig``: its id, the folder as ``model_source``, th
 context as ``max_model_len``, and the replicas (fixed, or autoscaling between
 ``min_replicas`` and ``max_replicas`` with the same target, delays and window). The
 torch replica's own limits (max_new_tokens, max_prompt_bytes, batching, CPUs per
-replica) are this package's engine's, not vLLM's: they are not written. vLLM needs a GPU, so here the config is checked
-against Ray's own schemas instead: Serve's ``ServeDeploySchema`` for the file, and
+replica) are this package's engine's, not vLLM's: they are not written. vLLM needs a
+GPU, so here the config is checked against Ray's own schemas instead: Serve's ``ServeDeploySchema`` for the file, and
 ``LLMConfig`` (``ray.serve.llm.LLMConfig`` is a plain subclass of the class used here,
 which imports without vLLM) for every model.
 """
