@@ -87,9 +87,10 @@ def build_model(cfg: JobConfig, env: DistEnv, family: ModelFamily, *, resuming: 
         wrapped = parallelized(model)
         # A pipeline rank fills only its stages (the meta model may be whole: copies were cut).
         pipeline = wrapped.pipeline
+        # a tied head's copy on the last stage reads the tensor the files store once
+        tied = pipeline.tied.names if pipeline is not None and pipeline.tied is not None else None
         for part in pipeline.parts if pipeline is not None else [model]:
-            # a tied head's copy on the last stage reads the tensor the files store once
-            fill(part, pipeline.tied.names if pipeline is not None and pipeline.tied is not None else None)
+            fill(part, tied)
         return BuiltModel(wrapped, counts, base)
     # Replicas (none, ddp) hold the whole model anyway; load before DDP broadcasts it.
     fill(model)

@@ -43,7 +43,6 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from raytrain_platform.errors import CheckpointError
-from raytrain_platform.parallel.ties import shared_parameters
 
 __all__ = ["SHARDED_DIR", "SafeFileSystemReader", "safe_load_metadata", "save_sharded",
            "load_sharded", "load_full_model_state", "load_saved_tensors"]
@@ -209,11 +208,6 @@ def load_sharded(directory: str | os.PathLike, *, module: nn.Module,
     loaded: dict[str, Any] = state["optim"].setdefault("state", {})
     for name, other in moved.items():
         loaded[name] = loaded.pop(other)
-    # A parameter of several names (a tied LM head): its state under each of them.
-    for names in shared_parameters(module):
-        for have in [n for n in names if n in loaded][:1]:
-            for n in names:
-                loaded.setdefault(n, loaded[have])
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
 

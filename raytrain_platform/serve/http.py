@@ -99,10 +99,6 @@ def _fields(loc: tuple) -> tuple:
     return tuple(p for p in loc if p != "body" and not (isinstance(p, str) and _UNION_TAG.match(p)))
 
 
-def _location(loc: tuple) -> str:
-    return ".".join(str(p) for p in _fields(loc)) or "body"
-
-
 def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | None]:
     """(status, one-line message, the field at fault). A field of several allowed types
     (``prompt``: a string or a list of strings) fails once per type: the message names
@@ -115,21 +111,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | No
         return 400, f"malformed JSON body: {reason}", None
     if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
         return 422, "missing JSON body", None
-    root = _fields(first.get("loc", ()))[:1]
-    same = [e for e in errors if _fields(e.get("loc", ()))[:1] == root]  # the one field's union branches
-    deepest = max(len(_fields(e.get("loc", ()))) for e in same)
-    chosen = [e for e in same if len(_fields(e.get("loc", ()))) == deepest]
-    at = _fields(chosen[0].get("loc", ()))
-    chosen = [e for e in chosen if _fields(e.get("loc", ())) == at]
+    located = [(_fields(e.get("loc", ())), e) for e in errors]
+    same = [(loc, e) for loc, e in located if loc[:1] == located[0][0][:1]]  # the one field's union branches
+    at = max((loc for loc, _ in same), key=len)  # the first of the deepest
+    chosen = [e for loc, e in same if loc == at]
     value = chosen[0].get("input")
     missing = chosen[0].get("type") == "missing"
     shown = "" if missing or isinstance(value, (dict, list)) else f" (got {value!r:.60})"
     message = ", or ".join(dict.fromkeys(str(e.get("msg")) for e in chosen))
     # other fields' errors, and this field's at other places as deep (a list's other items)
-    rest = len(errors) - len(same) + sum(len(_fields(e.get("loc", ()))) == deepest
-                                         and _fields(e.get("loc", ())) != at for e in same)
+    rest = len(errors) - len(same) + sum(len(loc) == len(at) and loc != at for loc, _ in same)
     more = f" (and {rest} more)" if rest else ""
-    where = _location(chosen[0].get("loc", ()))
+    where = ".".join(map(str, at)) or "body"
     return 422, f"{where}: {message}{shown}{more}", where
 
 
