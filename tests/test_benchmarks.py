@@ -108,6 +108,17 @@ def test_counted_logits_smoke(tmp_path):
     assert got["saved_bytes"]["counted"] < got["saved_bytes"]["all"], got
 
 
+def test_stream_decode_smoke(tmp_path):
+    """Serving's detokenizer benchmark (one process, seconds): it runs, and both sides
+    release the whole decode's text (the benchmark exits otherwise). Not timed here: the
+    cost per token is bounded by `test_serve_text`'s count of decoded ids."""
+    out = _run(["benchmarks/stream_decode.py", "--smoke", "--out", str(tmp_path / "s.json")])
+    assert "| completion tokens | incremental, µs/token |" in out
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [64, 256], rows
+    assert all(r["incremental_us_per_token"] > 0 and r["whole_us_per_token"] > 0 for r in rows), rows
+
+
 @pytest.mark.extended  # four torchrun launches
 def test_hf_load_smoke(tmp_path):
     """Pretrained weights into FSDP2 shards and into pipeline stages on 2 ranks, against

@@ -122,6 +122,53 @@ def test_byte_level_text_unchanged_by_prompt(byte_bpe):
         assert _run(stream, generated) == stream.text == byte_bpe.decode(generated)
 
 
+# ---- 2b. incremental decoding: the whole decode's text, at a bounded cost a token ---------
+
+LONG = ("Hello world, hello there. 日本語 ok—é! def main():\n    return 0\n  say hello again; 😀 "
+        "the world is big.\n\n") * 8
+
+
+class CountingTokenizer(HFTokenizer):
+    """The real tokenizer, counting the ids it is asked to decode."""
+
+    def __init__(self, real: HFTokenizer):
+        self.__dict__.update(real.__dict__)
+        self.decoded_ids = 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded_ids += len(ids)
+        return super().decode(ids)
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_bpe", "metaspace"])
+def test_incremental_text_is_the_whole_decode(tokenizer, request):
+    """Streamed deltas, token by token, join to what decoding prompt and completion in
+    one go adds to the prompt's text: multi-byte characters split across tokens, words
+    with SentencePiece's stripped space, newlines and an emoji; for several prompts."""
+    tok = request.getfixturevalue(tokenizer)
+    for prompt_text in ("Hello", "say 本", "x", "def main():"):
+        prompt, generated = tok.encode(prompt_text), tok.encode(prompt_text + LONG)
+        assert generated[:len(prompt)] == prompt
+        completion = generated[len(prompt):]
+        expected = tok.decode(generated)[len(tok.decode(prompt)):]
+        stream = TextStream(tok, prompt=prompt)
+        assert _run(stream, completion) == stream.text == expected, prompt_text
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_bpe", "metaspace"])
+def test_decode_work_per_token_is_bounded(tokenizer, request):
+    """Each token decodes a window of a few ids, not the whole completion: the ids
+    decoded over a long completion grow with its length, not its square (a whole
+    re-decode per token would decode n(n+1)/2 of them)."""
+    real = request.getfixturevalue(tokenizer)
+    prompt, generated = real.encode("Hello"), real.encode("Hello" + LONG * 4)
+    completion, n = generated[len(prompt):], len(generated) - len(prompt)
+    tok = CountingTokenizer(real)
+    stream = TextStream(tok, stop=("never appears",), prompt=prompt)
+    assert _run(stream, completion) == real.decode(generated)[len(real.decode(prompt)):]
+    assert n > 1000 and tok.decoded_ids < 20 * n, (n, tok.decoded_ids)
+
+
 class ScriptedLM(nn.Module):
     """A causal LM that continues `script`: at position t its logits pick script[t + 1]
     (then `eos`), so greedy decoding of a prompt that is script's start writes the rest."""

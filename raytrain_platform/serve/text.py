@@ -87,11 +87,13 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
 class TextStream:
     """The text of one request's generated tokens, released as it becomes final.
 
-    `prompt`: the request's prompt ids. The last few are decoded together with the
-    generated ids and only the text after theirs is released (vLLM's and TGI's prefix
-    offset): a tokenizer whose decoder strips the text's leading space (SentencePiece's
-    Metaspace, Llama-2, Mistral) would drop a completion's first space if the generated
-    ids were decoded alone.
+    Decoding is incremental (vLLM's and TGI's detokenizer): each token decodes only the
+    ids since the text was last final, after the ids just before them, so a token costs
+    the same at the 10th token as at the 10,000th. The text after the earlier ids' own
+    is the new text: a tokenizer whose decoder strips the text's leading space
+    (SentencePiece's Metaspace, Llama-2, Mistral) would drop a word's space if its ids
+    were decoded alone. `prompt`: the request's prompt ids; the first window starts with
+    its last few (vLLM's prefix offset), so the completion's first space is kept too.
     """
 
     PREFIX_IDS = 5  # prompt ids decoded with the generated ones (vLLM's initial offset)
@@ -101,22 +103,34 @@ class TextStream:
         self.ids: list[int] = []
         self.text = ""  # released so far
         self.stopped = False  # a stop string was reached; `text` ends before it
-        self._prefix = list(prompt[-self.PREFIX_IDS:]) if prompt else []
-        self._prefix_text = tokenizer.decode(self._prefix) if self._prefix else ""
+        # the ids decoded together: `_read` whose text is final, then those still pending
+        self._window = list(prompt[-self.PREFIX_IDS:]) if prompt else []
+        self._read = len(self._window)
+        self._read_text = tokenizer.decode(self._window) if self._window else ""
+        self._final = ""  # the generated ids' text up to the window's pending ids
+        self._pending = ""  # the pending ids' text (it may end inside a character)
 
-    def _decoded(self) -> str:
-        """The generated ids' text: what decoding them after the prompt's last ids adds
-        (the generated ids alone where that decode rewrote the prompt's text)."""
-        if self._prefix:
-            full = self.tokenizer.decode(self._prefix + self.ids)
-            if full.startswith(self._prefix_text):
-                return full[len(self._prefix_text):]
-        return self.tokenizer.decode(self.ids)
+    def _decode_next(self, token: int) -> str:
+        """Adds `token`; returns the generated ids' text (the last character may be a
+        U+FFFD standing for bytes still to come)."""
+        self.ids.append(token)
+        self._window.append(token)
+        text = self.tokenizer.decode(self._window)
+        if text.startswith(self._read_text):
+            self._pending = text[len(self._read_text):]
+        else:  # the earlier ids' text changed (they ended inside a character): the pending ids alone
+            self._pending = self.tokenizer.decode(self._window[self._read:])
+        if self._pending and not self._pending.endswith("\ufffd"):  # final: the window moves on
+            self._final += self._pending
+            self._pending = ""
+            self._window = self._window[self._read:]
+            self._read = len(self._window)
+            self._read_text = self.tokenizer.decode(self._window)
+        return self._final + self._pending
 
     def push(self, token: int) -> str:
         """Add a generated token; returns the newly released text (maybe '')."""
-        self.ids.append(token)
-        full = self._decoded()
+        full = self._decode_next(token)
         found = [at for s in self.stop if (at := full.find(s, max(0, len(self.text) - len(s) + 1))) != -1]
         if found:  # the text ends before the earliest, whichever stop string it is
             self.stopped = True
@@ -132,7 +146,7 @@ class TextStream:
 
     def finish(self) -> str:
         """The text held back, released at the end (no more tokens are coming)."""
-        return "" if self.stopped else self._release(self._decoded())
+        return "" if self.stopped else self._release(self._final + self._pending)
 
     def _release(self, upto: str) -> str:
         if len(upto) <= len(self.text) or not upto.startswith(self.text):
