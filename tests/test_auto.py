@@ -90,6 +90,22 @@ def test_auto_batch_for_an_explicit_strategy_and_one_worker(tmp_path):
     assert micro * accum == 32 and _total(micro) <= 200 * 2**20 < _total(2 * micro)
 
 
+def test_auto_batch_for_an_explicit_tp_x_pp_layout(tmp_path):
+    """An explicit 3-D layout (TP 2 x PP 2 on 4 workers, one replica): the batch is
+    planned for that layout, the largest micro-batch whose estimate fits."""
+    cfg = _cfg(tmp_path, "40MiB", strategy="none", workers=4, global_batch=16)
+    cfg["parallel"].update(tp_size=2, pp_size=2)
+    job = prepare(cfg)
+    micro, accum = job.config.data.batch_size, job.config.train.grad_accum_steps
+    assert micro * accum == 16 and 1 < micro < 16, (micro, accum)  # the budget decides, not the bounds
+
+    def total(m: int) -> int:
+        lay = Layout(tp=2, pp=2, micro_batch=m, micro_batches=16 // m)
+        return estimate_memory(model=gpt_shape(GPTSpec(**GPT)), layout=lay).total
+
+    assert total(micro) <= 40 * 2**20 and (micro == 16 or total(2 * micro) > 40 * 2**20), (micro, accum)
+
+
 @pytest.mark.parametrize("patch, field", [
     ({"global_batch": None}, "train.global_batch_size"),        # auto batch needs the global batch
     ({"global_batch": 63}, "train.global_batch_size"),          # not divisible over 2 replicas

@@ -210,6 +210,9 @@ LAYOUTS = {
                             "data": {"batch_size": 4}}),
     "pp2_1f1b_compile_ac": (2, {"parallel": {"pp_size": 2, "compile": True, "activation_checkpointing": True}},
                             {"TORCHINDUCTOR_CACHE_DIR": "{root}/inductor-pp2-ac"}),
+    # TP x PP: each stage's layers split over 2 ranks (2 query and 1 key/value heads
+    # each), each rank reading only its stage's slices of the pretrained files.
+    "tp2_pp2": (4, {"parallel": {"tp_size": 2, "pp_size": 2, "pp_schedule": "1f1b"}}),
 }
 # Compiled layers fuse elementwise kernels, which may change float rounding; on this
 # model they stay within the eager layouts' tolerance (measured over the 10 steps, at
@@ -313,6 +316,31 @@ def test_export_to_hugging_face_layout_loads_with_transformers_and_gives_our_log
     assert not torch.equal(exported(ids).logits, start(ids).logits)  # the trained weights, not the start
 
 
+@pytest.mark.slow
+@pytest.mark.extended  # an export of the default suite's TP x PP run (the export path is tested above by default)
+def test_a_tp_x_pp_run_exports_to_hugging_face_layout(runs, tmp_path):
+    """TP x PP's DCP shards (each of 4 ranks half a stage) export to one Hugging Face
+    folder that `transformers` loads and that gives the platform's own logits exactly,
+    and the one-process run's within training's tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_platform.export import load_model_for_inference
+
+    runs["tp2_pp2"], runs["one"]
+    out = tmp_path / "tp_pp_export"
+    proc = subprocess.run([sys.executable, "-m", "raytrain_platform", "export", str(runs.root / "tp2_pp2"),
+                           "--format", "hf", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    ours, _, info = load_model_for_inference(runs.root / "tp2_pp2")
+    one, _, _ = load_model_for_inference(runs.root / "one")
+    assert info["step"] == 10 and info["sharded_source"]
+    ids = torch.arange(3, 40).unsqueeze(0)
+    logits = exported(ids).logits
+    torch.testing.assert_close(logits, ours(ids).logits, rtol=0, atol=0)
+    torch.testing.assert_close(logits, one(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_hf_export_keeps_the_base_generation_config_and_a_failed_one_changes_nothing(tmp_path, tiny, capsys):
     """The export carries the base's generation_config.json (its end-of-turn ids and
     sampling defaults, which serving stops at), not one derived from config.json. An
@@ -394,7 +422,7 @@ def tied(tmp_path_factory, tiny) -> Path:
 
 
 TIED_LAYOUTS = {"fsdp2": LAYOUTS["fsdp2"], "tp2": LAYOUTS["tp2"], "tp2_fsdp2": LAYOUTS["tp2_fsdp2"],
-                "pp2_1f1b": LAYOUTS["pp2_1f1b"]}
+                "pp2_1f1b": LAYOUTS["pp2_1f1b"], "tp2_pp2": LAYOUTS["tp2_pp2"]}
 
 
 @pytest.fixture(scope="module")
@@ -412,6 +440,9 @@ def tied_runs(tmp_path_factory, tied) -> LayoutRuns:
     ("pp2_1f1b", "tied_pp2_resumed_on_1", 1, {}),
     # each stage reads its tensors from one process's full ones
     ("one", "tied_one_resumed_as_pp2", 2, {"parallel": {"pp_size": 2}}),
+    # TP x PP: each stage's vocabulary rows of the two copies, into one tensor (4 processes)
+    pytest.param("tp2_pp2", "tied_tp2_pp2_resumed_on_1", 1, {}, marks=pytest.mark.extended),
+    pytest.param("fsdp2", "tied_fsdp2_resumed_as_tp2_pp2", 4, LAYOUTS["tp2_pp2"][1], marks=pytest.mark.extended),
 ])
 def test_a_tied_heads_checkpoint_resumes_into_and_out_of_pipeline_stages(tied_runs, tied, source, target, nproc,
                                                                           sections):
@@ -434,7 +465,7 @@ def _dcp_tensors(path: Path, suffixes: tuple[str, ...]) -> dict[str, torch.Tenso
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", pytest.param("tp2_fsdp2", marks=pytest.mark.extended),
-                                    "pp2_1f1b"])
+                                    "pp2_1f1b", pytest.param("tp2_pp2", marks=pytest.mark.extended)])
 def test_a_tied_lm_head_stays_tied_and_matches_one_process(tied_runs, tied, layout):
     """The file holds the embedding only. Every rank builds on the meta device, where
     `to_empty` gives the head and the embedding a tensor each (core/weights.py ties them
@@ -455,7 +486,7 @@ def test_a_tied_lm_head_stays_tied_and_matches_one_process(tied_runs, tied, layo
     head, embedding = (next(v for k, v in saved.items() if k.endswith(end))
                        for end in ("lm_head.weight", "embed_tokens.weight"))
     assert torch.equal(head, embedding)
-    if layout.startswith("pp"):
+    if "pp" in layout:  # the global norm counts the weight once, its two copies on two stages
         assert_losses_close([r["grad_norm"] for r in tied_runs[layout]], [r["grad_norm"] for r in tied_runs["one"]],
                             rtol=1e-4)
     from safetensors.torch import load_file

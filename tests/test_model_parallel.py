@@ -99,11 +99,23 @@ LAYOUTS = {
     # Stages under FSDP with checkpointed blocks (4 processes: extended).
     "pp2_fsdp2_ac_accum2": (4, dict(parallel={"pp_size": 2, "strategy": "fsdp", "activation_checkpointing": True},
                                     data={"batch_size": 4}, train=accum(2))),
+    # TP x PP: each stage's blocks split over 2 ranks; with sequence parallel and two
+    # looped stages per rank; and 3-D, FSDP over 2 such replicas (8 processes).
+    "tp2_pp2_accum2": (4, dict(parallel={"tp_size": 2, "pp_size": 2, "pp_schedule": "1f1b"},
+                               data={"batch_size": 8}, train=accum(2))),
+    "tp2_sp_pp2_interleaved_accum2": (4, dict(parallel={"tp_size": 2, "sequence_parallel": True, "pp_size": 2,
+                                                        "pp_schedule": "interleaved_1f1b", "pp_microbatches": 4},
+                                              data={"batch_size": 8}, train=accum(2))),
+    "tp2_pp2_fsdp2_ac_accum2": (8, dict(parallel={"tp_size": 2, "pp_size": 2, "pp_schedule": "gpipe",
+                                                  "strategy": "fsdp", "activation_checkpointing": True},
+                                        data={"batch_size": 4}, train=accum(2))),
 }
-# 4 processes, more compiled TP layouts (tests/test_hf.py's tp2_compile runs by default), or the
-# compiled interleaved stages (pp2_1f1b_compile_ac_accum2 compiles stages by default).
+# 4 or more processes, more compiled TP layouts (tests/test_hf.py's tp2_compile runs by default),
+# or the compiled interleaved stages (pp2_1f1b_compile_ac_accum2 compiles stages by default);
+# TP x PP runs by default in tests/test_hf.py (the tiny Llama, pretrained weights into both splits).
 _EXTENDED = {"pp2_fsdp2_ac_accum2", "tp2_sp_compile_accum2", "tp2_sp_compile_ac_accum2",
-             "pp2_interleaved_compile_accum2"}
+             "pp2_interleaved_compile_accum2", "tp2_pp2_accum2", "tp2_sp_pp2_interleaved_accum2",
+             "tp2_pp2_fsdp2_ac_accum2"}
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +128,7 @@ def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> LayoutRuns:
     """Each layout's 10 steps (and "one": the single process), in ``runs.root / name``."""
-    return LayoutRuns(tmp_path_factory.mktemp("mp"), LAYOUTS, gpt_config, timeout=150)
+    return LayoutRuns(tmp_path_factory.mktemp("mp"), LAYOUTS, gpt_config, timeout=240)
 
 
 @pytest.mark.timeout(300)  # one torchrun job (a compiled one ~30 s on 2 idle cores)
@@ -178,6 +190,9 @@ def test_data_goes_to_data_parallel_ranks_only(tmp_path):
     ("tp2_fsdp2_accum2", 2, "pp2_1f1b_accum2"),  # TP x FSDP 2-D shards -> pipeline stages
     ("pp2_ddp2_accum2", 2, "tp2_sp_accum2"),  # PP x DP stages -> TP shards (DCP reshards by name)
     ("pp2_interleaved_accum2", 1, None),  # interleaved stages -> one process
+    # TP x PP's 2-D shards -> one process, and 3-D shards -> TP x PP on 4 ranks
+    pytest.param("tp2_sp_pp2_interleaved_accum2", 1, None, marks=pytest.mark.extended),
+    pytest.param("tp2_pp2_fsdp2_ac_accum2", 4, "tp2_pp2_accum2", marks=pytest.mark.extended),
 ])
 def test_resume(tmp_path, runs, source, nproc, target):
     """A run directory holding only `source`'s step-5 checkpoint, trained on to step 10."""
@@ -194,7 +209,8 @@ def test_resume(tmp_path, runs, source, nproc, target):
                                     "pp2_interleaved_accum2", "tp2_sp_accum2", "pp2_1f1b_ac_accum2",
                                     pytest.param("pp2_interleaved_compile_accum2", marks=pytest.mark.extended),
                                     "pp2_1f1b_compile_ac_accum2",
-                                    pytest.param("tp2_sp_compile_accum2", marks=pytest.mark.extended)])
+                                    pytest.param("tp2_sp_compile_accum2", marks=pytest.mark.extended),
+                                    pytest.param("tp2_pp2_fsdp2_ac_accum2", marks=pytest.mark.extended)])
 def test_export_consolidates(tmp_path, runs, source):
     """`rtp export` of a TP / PP / 2-D checkpoint: one safetensors file whose weights,
     in a plain model here, give the validation loss the run logged at step 10. Compiled
@@ -218,7 +234,7 @@ def test_export_consolidates(tmp_path, runs, source):
                                    "parallel.pp_size": 1, "parallel.sequence_parallel": False,
                                    "parallel.pp_split": None, "scaling.num_workers": 1,
                                    "data.batch_size": 8}))
-    dp = {"tp2_fsdp2_accum2": 2, "pp2_ddp2_accum2": 2}.get(source, 1)
+    dp = {"tp2_fsdp2_accum2": 2, "pp2_ddp2_accum2": 2, "tp2_pp2_fsdp2_ac_accum2": 2}.get(source, 1)
     # The run evaluated eval_batches (2) x dp micro-batches of its batch size.
     n_rows = 2 * dp * cfg.data.batch_size
     task, sums = get_task("lm"), torch.zeros(3)
@@ -228,6 +244,44 @@ def test_export_consolidates(tmp_path, runs, source):
             sums += task.eval_sums(model(inputs), targets)
     val_loss = float(sums[0] / sums[1])
     assert abs(val_loss - rows[-1]["val_loss"]) <= 1e-5 * val_loss, (source, val_loss, rows[-1])
+
+
+_HOOK_SCRIPT = """
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from raytrain_platform.core.weights import materialize
+from raytrain_platform.parallel.tp import apply_tp
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+with torch.device("meta"):
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False))
+apply_tp(model, mesh=init_device_mesh("cpu", (1,)), plan={"0": "embedding", "1": "head"},
+         sequence_parallel=False, reshard_grads=True)
+materialize(model, torch.device("cpu"))
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_()
+model(torch.tensor([[1, 2, 3]])).sum().backward()
+w = model[0].weight
+print("PLACEMENTS", w.placements == w.grad.placements, w.placements, w.grad.placements)
+"""
+
+
+def test_tp_gradient_hooks_survive_a_meta_device_build(tmp_path):
+    """TP keeps only a row-split embedding's own rows of its gradient with a hook on the
+    parameter; a pretrained or resumed model is built on the meta device, and
+    `to_empty` gave it new parameters without the hook: each TP rank held the whole
+    vocabulary's gradient (and a tied head's two pipeline copies could not be summed,
+    their local shapes differing). `materialize` moves the hooks to the new parameters."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", _HOOK_SCRIPT], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "PLACEMENTS True (Shard(dim=0),) (Shard(dim=0),)" in proc.stdout, proc.stdout
 
 
 _BLOCKS_SCRIPT = """
@@ -367,8 +421,10 @@ def test_both_block_options_keep_what_checkpointing_keeps_under_fsdp2_and_tp(tmp
     ({"parallel": {"tp_size": 2}, "scaling": {"num_workers": 4}}, "scaling.num_workers",
      "exactly 1 worker(s) per model replica (data-parallel size 2)"),
     ({"parallel": {"sequence_parallel": True}}, "parallel.sequence_parallel", "tp_size > 1"),
-    ({"parallel": {"tp_size": 2, "pp_size": 2}, "scaling": {"num_workers": 4}}, "parallel.pp_size",
-     "TP x PP in one job is not supported"),
+    ({"parallel": {"tp_size": 2, "pp_size": 2, "strategy": "ddp"}, "scaling": {"num_workers": 8}}, "parallel.strategy",
+     "'fsdp' for data parallel over tensor-parallel groups (tp_size 2 x dp 2"),
+    ({"parallel": {"tp_size": 4, "pp_size": 2}, "scaling": {"num_workers": 8}}, "parallel.tp_size",
+     "divisor of model.kwargs.n_head (2)"),
     ({"model": {"name": "mlp", "kwargs": {}}, "parallel": {"tp_size": 2},
       "scaling": {"num_workers": 2}}, "parallel.tp_size", "for model 'mlp'"),
 ])
@@ -384,12 +440,13 @@ def test_bad_layouts_are_refused_naming_the_numbers(tmp_path, patch, field, need
 @pytest.mark.extended  # the Ray launcher equals the torchrun core: test_ray_train shows it for DDP in the default run
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-def test_tp_fsdp_under_ray_train_matches_reference(ray_cluster, tmp_path, reference):
-    """tp2 x dp2 through TorchTrainer (4 workers at 0.25 CPU, Ray Data ingest): the
-    same losses as the single process, sharded checkpoints from all 4 ranks."""
+@pytest.mark.parametrize("layout", ["tp2_fsdp2_accum2", "tp2_pp2_accum2"])
+def test_tp_fsdp_under_ray_train_matches_reference(ray_cluster, tmp_path, reference, layout):
+    """tp2 x dp2, and tp2 x pp2, through TorchTrainer (4 workers at 0.25 CPU, Ray Data
+    ingest): the same losses as the single process, sharded checkpoints from all 4 ranks."""
     from raytrain_platform.launch.trainer import train
 
-    cfg = gpt_config(tmp_path, "ray_tp", **LAYOUTS["tp2_fsdp2_accum2"][1],
+    cfg = gpt_config(tmp_path, "ray_tp", **LAYOUTS[layout][1],
                      scaling={"num_workers": 4, "cpus_per_worker": 0.25, "torch_threads": 1})
     result = train(cfg, progress=False)
     assert _close(losses(result.metrics), losses(reference[1])), losses(result.metrics)

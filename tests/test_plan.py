@@ -273,6 +273,23 @@ def test_multi_node_large_model_gives_pipeline_across_nodes_times_dp():
     assert any("across nodes" in r for r in plan.reasons)
 
 
+def test_a_model_no_2d_layout_fits_gives_tp_in_node_times_pp_times_fsdp():
+    """175B-class on 8 nodes of 8 x 80 GB: FSDP, TP x FSDP and PP x DP all exceed the
+    budget; TP within a node x a pipeline x FSDP over the replicas (3-D) fits, and the
+    estimate is the one of that layout."""
+    big = generic_shape(num_params=175 * 10**9, n_layer=96, hidden=12288, seq_len=4096, n_head=96)
+    plan = make_plan(model=big, device_memory=80 * 10**9, devices_per_node=8, nodes=8,
+                     global_batch=512, precision="bf16", activation_checkpointing=True)
+    assert not any(plan.option(s).fits for s in ("fsdp", "tp_fsdp", "pp", "pp_dp", "tp"))
+    rec = plan.recommended
+    assert rec.strategy == "tp_pp", plan.reasons
+    lay = rec.layout
+    assert lay.tp in (2, 4, 8) and 8 % lay.tp == 0 and lay.pp > 1 and lay.dp * lay.tp * lay.pp == 64
+    assert lay.shard == lay.dp > 1
+    assert rec.estimate == estimate_memory(model=big, layout=lay, precision="bf16", activation_checkpointing=True)
+    assert any("3-D parallelism" in r for r in plan.reasons)
+
+
 def test_nothing_fits_says_so_and_suggests_checkpointing():
     plan = make_plan(model=preset_shape("llama2-7b"), device_memory=24 * GB, devices_per_node=8,
                      global_batch=64, precision="bf16")
@@ -312,7 +329,7 @@ def test_cli_table_and_json():
     assert out["recommended"] in ("fsdp", "tp_fsdp") and out["reasons"]
     assert out["model"]["num_params"] == 7 * 10**9 and out["request"]["devices"] == 8
     names = [o["strategy"] for o in out["options"]]
-    assert names == ["none", "accum", "ddp", "fsdp", "tp", "pp", "tp_fsdp", "pp_dp"]
+    assert names == ["none", "accum", "ddp", "fsdp", "tp", "pp", "tp_fsdp", "pp_dp", "tp_pp"]
     mem = out["options"][0]["memory"]
     assert mem["total"] == sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "overhead"))
 

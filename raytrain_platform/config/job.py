@@ -215,8 +215,6 @@ def _validate_parallel_dims(cfg: JobConfig) -> None:
            f"false for model '{cfg.model.name}' (its forward computes positions from the sequence shard it "
            "holds; TP without sequence parallelism works)")
     family.check_model_parallel(cfg.model.kwargs, tp=tp, pp=pp, stages=stages, pp_split=par.pp_split)
-    _check(tp == 1 or pp == 1, "parallel.pp_size", pp,
-           f"1 when parallel.tp_size is {tp} (TP x PP in one job is not supported; use one of them)")
     _check(par.strategy != "ddp" or tp == 1 or dp == 1, "parallel.strategy", par.strategy,
            f"'fsdp' for data parallel over tensor-parallel groups (tp_size {tp} x dp {dp}: TP x FSDP)")
     if pp > 1:

@@ -27,10 +27,20 @@ __all__ = ["load_safetensors", "local_slice", "materialize"]
 
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Give a meta-device model (or its shards) real, uninitialised storage on `device`;
-    tied parameters stay tied (`to_empty` gives plain tensors one copy per module)."""
+    tied parameters stay tied (`to_empty` gives plain tensors one copy per module), and
+    hooks registered on the meta parameters move to the new ones (`to_empty` makes new
+    `Parameter`s: TP's hook that keeps only an embedding's own rows of its gradient was
+    lost, so each TP rank held the whole vocabulary's gradient)."""
     tied = shared_parameters(model)
+    hooks = {name: list((p._post_accumulate_grad_hooks or {}).values())
+             for name, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)}
     model.to_empty(device=device)
     retie(model, tied)
+    for name, p in model.named_parameters():
+        if name in hooks:  # a new Parameter, or new storage under the old one's hook dict
+            p._post_accumulate_grad_hooks = None  # type: ignore[assignment]
+            for hook in hooks[name]:
+                p.register_post_accumulate_grad_hook(hook)
 
 
 def local_slice(target: torch.Tensor) -> tuple[slice, ...] | None:

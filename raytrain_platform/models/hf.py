@@ -258,6 +258,7 @@ class HFFamily(ModelFamily):
         if pp > 1:
             check_stage_counts(hf_config_shape(config).n_layer, "num_hidden_layers", pp=pp, stages=stages,
                                pp_split=pp_split, unit="layer")
+        if tp == 1:
             return
         # The head counts the model is built with, as the planner reads them: what a
         # config.json leaves out comes from transformers' defaults for its type (32 and 8

@@ -43,39 +43,62 @@ def parallelize(model: nn.Module, *, env, cfg, family: "ModelFamily", model_kwar
     if cfg.pp_size > 1:
         from raytrain_platform.parallel.pp import apply_pp
 
+        staged = family.pipeline_module(model)
+        # TP x PP: the plan of the whole model (its names), each stage taking its entries
+        plan = family.tp_plan(staged, model_kwargs) if cfg.tp_size > 1 else None
         first = iter([True])  # rank 0 announces compiling once, at its first stage
-        return apply_pp(family.pipeline_module(model), env=env, cfg=cfg, mesh=mesh, layout=family.pipeline_layout(),
+        return apply_pp(staged, env=env, cfg=cfg, mesh=mesh, layout=family.pipeline_layout(),
                         data_parallel=lambda part: _stage_data_parallel(part, env=env, cfg=cfg, mesh=mesh,
-                                                                        blocks=blocks, announce=next(first, False)))
-    return _tensor_parallel(model, env=env, cfg=cfg, mesh=mesh, plan=family.tp_plan(model, model_kwargs),
-                            blocks=blocks)
-
-
-def _tensor_parallel(model: nn.Module, *, env, cfg, mesh, plan: dict[str, str], blocks: Blocks) -> Parallelized:
-    """TP over ``mesh["tp"]``, then (dp > 1) FSDP over ``mesh["dp"]``: TP'd parameters
-    become 2-D DTensors (Shard over dp, Shard/Replicate over tp)."""
+                                                                        blocks=blocks, plan=plan,
+                                                                        announce=next(first, False)))
+    wrapped = _tensor_parallel(model, env=env, cfg=cfg, mesh=mesh, plan=family.tp_plan(model, model_kwargs),
+                               blocks=blocks)
     from raytrain_platform.parallel.grads import clip_grad_norm
+
+    wrapped.clip_grad_norm = lambda max_norm: clip_grad_norm(model.parameters(), max_norm)
+    return wrapped
+
+
+def _tensor_parallel(model: nn.Module, *, env, cfg, mesh, plan: dict[str, str], blocks: Blocks,
+                     announce: bool = True) -> Parallelized:
+    """TP over ``mesh["tp"]``, then (dp > 1) FSDP over ``mesh["dp"]``: TP'd parameters
+    become 2-D DTensors (Shard over dp, Shard/Replicate over tp). `model` may be a
+    pipeline stage: the plan's entries for modules it does not hold are left out."""
     from raytrain_platform.parallel.tp import apply_tp
 
     dp = mesh["dp"].size()
+    held = {k: v for k, v in plan.items() if _holds(model, k)}
     # Alone, TP reshards its embeddings' gradients itself; under FSDP its reduce-scatter does.
-    apply_tp(model, mesh=mesh["tp"], plan=plan, sequence_parallel=cfg.sequence_parallel,
+    apply_tp(model, mesh=mesh["tp"], plan=held, sequence_parallel=cfg.sequence_parallel,
              reshard_grads=dp == 1)
-    _block_options(model, env=env, cfg=cfg, blocks=blocks)
+    _block_options(model, env=env, cfg=cfg, blocks=blocks, announce=announce)
     if dp > 1:
         wrapped = get_strategy("fsdp").load()(model, env=env, cfg=cfg, mesh=mesh["dp"], blocks=blocks(model))
     else:
         wrapped = Parallelized(module=model, base=model)
     wrapped.sharded = True  # DTensor shards: checkpoint with DCP
-    wrapped.clip_grad_norm = lambda max_norm: clip_grad_norm(model.parameters(), max_norm)
     return wrapped
 
 
-def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks, announce: bool) -> Parallelized:
-    """A pipeline stage over the data-parallel ranks: FSDP over ``mesh["dp"]``; or for
-    'ddp', a replica whose gradients the pipeline runner all-reduces once per optimizer
-    step (a stage wrapped in DistributedDataParallel hung in its first p2p exchange under
-    gloo, torch 2.13). The stage's blocks are checkpointed or compiled first."""
+def _holds(model: nn.Module, path: str) -> bool:
+    """Whether `model` has the submodule at `path` (a pipeline stage sets the ends it
+    does not hold to None and deletes other stages' blocks)."""
+    try:
+        return model.get_submodule(path) is not None
+    except AttributeError:
+        return False
+
+
+def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks, plan: dict[str, str] | None,
+                         announce: bool) -> Parallelized:
+    """A pipeline stage over the data-parallel ranks: with a TP `plan`, TP over
+    ``mesh["tp"]`` first (TP x PP; then FSDP where dp > 1); else FSDP over ``mesh["dp"]``,
+    or for 'ddp', a replica whose gradients the pipeline runner all-reduces once per
+    optimizer step (a stage wrapped in DistributedDataParallel hung in its first p2p
+    exchange under gloo, torch 2.13). The stage's blocks are checkpointed or compiled
+    first."""
+    if plan is not None:
+        return _tensor_parallel(part, env=env, cfg=cfg, mesh=mesh, plan=plan, blocks=blocks, announce=announce)
     _block_options(part, env=env, cfg=cfg, blocks=blocks, announce=announce)
     if mesh["dp"].size() > 1 and cfg.strategy == "fsdp":
         return get_strategy("fsdp").load()(part, env=env, cfg=cfg, mesh=mesh["dp"], blocks=blocks(part))

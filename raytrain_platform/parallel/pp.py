@@ -18,6 +18,12 @@ the embedding's name), their gradients are summed over the two stages before eac
 optimizer step, so both take the same update, and the gradient norm counts it once.
 The checkpoint holds it under both names, as the unsplit model's state dict does.
 
+With ``tp_size > 1`` too (TP x PP, parallel/compose.py), each stage is made tensor
+parallel over ``mesh["tp"]`` by the family's plan (the entries for the modules it
+holds) before FSDP wraps it; a rank exchanges activations with the rank of the same TP
+index in the next stage, and a tied head's two copies, split alike by vocabulary, are
+summed shard by shard.
+
 Gradient scaling: the schedule's own ``scale_grads`` would divide *all* gradients
 after every step, including those accumulated over earlier micro-steps; here the
 loss of each chunk is divided by the chunk count instead (``scale_grads=False``), so

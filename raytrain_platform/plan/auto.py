@@ -115,14 +115,18 @@ def _strategy_fields(opt: Option) -> dict[str, str | int]:
         "tp": {"parallel.strategy": replicated, "parallel.tp_size": lay.tp},
         "pp": {"parallel.strategy": replicated, "parallel.pp_size": lay.pp},
         "tp_fsdp": {"parallel.strategy": "fsdp", "parallel.tp_size": lay.tp},
-        "pp_dp": {"parallel.strategy": "ddp", "parallel.pp_size": lay.pp}}
+        "pp_dp": {"parallel.strategy": "ddp", "parallel.pp_size": lay.pp},
+        "tp_pp": {"parallel.strategy": "none" if lay.dp == 1 else "fsdp", "parallel.tp_size": lay.tp,
+                  "parallel.pp_size": lay.pp}}
     return fields[opt.strategy]
 
 
 def _option_for(cfg: JobConfig, plan) -> Option:
     """The plan's option for an explicitly configured strategy."""
     par, n = cfg.parallel, cfg.scaling.num_workers
-    if par.tp_size > 1:
+    if par.tp_size > 1 and par.pp_size > 1:
+        name = "tp_pp"
+    elif par.tp_size > 1:
         name = "tp_fsdp" if par.strategy == "fsdp" else "tp"
     elif par.pp_size > 1:
         name = "pp_dp" if n > par.pp_size else "pp"

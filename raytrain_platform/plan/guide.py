@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from raytrain_platform.errors import ConfigError
@@ -38,9 +38,9 @@ from raytrain_platform.units import format_size
 
 __all__ = ["PlanRequest", "Option", "Plan", "make_plan", "STRATEGY_ORDER"]
 
-STRATEGY_ORDER = ("none", "accum", "ddp", "fsdp", "tp", "pp", "tp_fsdp", "pp_dp")
+STRATEGY_ORDER = ("none", "accum", "ddp", "fsdp", "tp", "pp", "tp_fsdp", "pp_dp", "tp_pp")
 LABELS = {"none": "none", "accum": "grad accumulation", "ddp": "DDP", "fsdp": "FSDP", "tp": "TP",
-          "pp": "PP", "tp_fsdp": "TP x FSDP", "pp_dp": "PP x DP"}
+          "pp": "PP", "tp_fsdp": "TP x FSDP", "pp_dp": "PP x DP", "tp_pp": "TP x PP (x FSDP)"}
 SMALL_PER_DEVICE_BATCH = 4  # below this, DP's gradient traffic tends to dominate
 
 
@@ -180,10 +180,20 @@ def _pp_degrees(req: PlanRequest, *, need_dp: bool) -> list[int]:
             if 1 < d <= req.model.n_layer and (not need_dp or req.devices // d >= 2)]
 
 
-_SPLIT = {"tp": "tp", "tp_fsdp": "tp", "pp": "pp", "pp_dp": "pp"}  # the split each option needs
+# the splits each option needs
+_SPLITS = {"tp": ("tp",), "tp_fsdp": ("tp",), "pp": ("pp",), "pp_dp": ("pp",), "tp_pp": ("tp", "pp")}
 
 
-def _search(req: PlanRequest, strategy: str, degrees: list[int], build) -> Option:
+def _tp_pp_degrees(req: PlanRequest, tps: list[int]) -> list[tuple[int, int]]:
+    """(tp, pp) pairs for 3-D parallelism: TP within a node (`tps`), the pipeline over
+    what is left (across nodes), data parallel over the rest; fewest model-parallel
+    ranks first, then the smaller pipeline."""
+    pairs = [(t, p) for t in tps for p in _divisors(req.devices // t)
+             if 1 < p <= req.model.n_layer and (req.pp is None or p == req.pp)]
+    return sorted(pairs, key=lambda tp: (tp[0] * tp[1], tp[1]))
+
+
+def _search(req: PlanRequest, strategy: str, degrees: Sequence[int | tuple[int, int]], build) -> Option:
     """The smallest model-parallel degree that fits (less communication), else the largest."""
     if not degrees:
         return Option(strategy, False, note="no degree fits these devices and this model")
@@ -206,16 +216,22 @@ def _options(req: PlanRequest) -> list[Option]:
                Option("fsdp", False, note="needs 2 or more devices per node"))
     if req.model.kind != "transformer" or req.lora is not None:
         note = "LoRA runs on DDP or FSDP" if req.lora is not None else "TP and PP split transformer blocks"
-        return out + [Option(s, False, note=note) for s in ("tp", "pp", "tp_fsdp", "pp_dp")]
+        return out + [Option(s, False, note=note) for s in ("tp", "pp", "tp_fsdp", "pp_dp", "tp_pp")]
     tps = _tp_degrees(req)
     out.append(_search(req, "tp", tps, lambda t: {"dp": 1, "tp": t}))
     out.append(_search(req, "pp", _pp_degrees(req, need_dp=False), lambda p: {"dp": 1, "pp": p}))
     out.append(_search(req, "tp_fsdp", tps, lambda t: {
         "dp": n // t, "tp": t, "shard": n // t if nodes == 1 else per_node // t}))
     out.append(_search(req, "pp_dp", _pp_degrees(req, need_dp=True), lambda p: {"dp": n // p, "pp": p}))
+    # 3-D: FSDP over the data-parallel replicas (DDP over TP groups is refused)
+    out.append(_search(req, "tp_pp", _tp_pp_degrees(req, tps), lambda tp_pp: {
+        "dp": n // (tp_pp[0] * tp_pp[1]), "tp": tp_pp[0], "pp": tp_pp[1], "shard": n // (tp_pp[0] * tp_pp[1])}))
     # A split the model's family refuses is no option, whatever it would fit.
-    return [Option(o.strategy, False, note=why) if (why := req.refusal(_SPLIT.get(o.strategy, ""))) else o
-            for o in out]
+    return [Option(o.strategy, False, note=why) if (why := _refused(req, o.strategy)) else o for o in out]
+
+
+def _refused(req: PlanRequest, strategy: str) -> str | None:
+    return next((why for dim in _SPLITS.get(strategy, ()) if (why := req.refusal(dim))), None)
 
 
 def _swap(fit: tuple[Layout, MemoryEstimate, bool]) -> tuple[bool, Layout, MemoryEstimate]:
@@ -287,6 +303,15 @@ def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, lis
                           f"table row 'across nodes': a pipeline of {lay.pp} stages ({across}; only "
                           f"activations cross stage boundaries) x {lay.dp} data-parallel replica(s): "
                           f"{lay.micro_batches} micro-batches of {lay.micro_batch} per step"]
+    tp_pp = o["tp_pp"]
+    if tp_pp.fits:
+        lay = tp_pp.fitted_layout
+        across = "across nodes" if req.nodes > 1 else "within the node"
+        return tp_pp, [head + "; no 2-D layout fits (FSDP, TP x FSDP, PP x DP)",
+                       f"3-D parallelism: tensor parallelism of degree {lay.tp} within a node x a pipeline "
+                       f"of {lay.pp} stages ({across}) x {lay.dp} data-parallel replica(s)"
+                       + (f" (FSDP over {lay.shard})" if lay.shard > 1 else "")
+                       + f": {lay.micro_batches} micro-batches of {lay.micro_batch} per step"]
     estimated = [(x.estimate.total, x) for x in o.values() if x.estimate]
     smallest = min(estimated, key=lambda te: te[0])[1]
     return None, [head + f"; no strategy fits: the smallest is {LABELS[smallest.strategy]} at "
