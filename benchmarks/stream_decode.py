@@ -3,7 +3,7 @@ completion length, for `serve/text.TextStream` (incremental: each token decodes 
 of a few ids) against decoding the whole completion again at every token (what
 `TextStream` did before 2026-12-06), side by side in one process.
 
-    python benchmarks/stream_decode.py            # ~1 min on one quiet CPU core
+    python benchmarks/stream_decode.py            # ~15 s on one quiet CPU core
     python benchmarks/stream_decode.py --smoke    # tiny, seconds (a test)
 
 The tokenizer is `tools/tiny_llm.py`'s byte-level BPE (vocabulary 512, trained on the

@@ -113,6 +113,9 @@ def test_bad_model_directories_are_one_line_exit_2_before_ray(tmp_path, tiny):
          "parallel.tp_size", "num_key_value_heads (2)"),
         ({"path": str(tiny["model"])}, {"parallel": {"pp_size": 4}, "scaling": {"num_workers": 4}},
          "parallel.pp_size", "at most num_hidden_layers (2) pipeline stages in all (4 ranks x 1 per rank = 4)"),
+        # TP x PP: the stages are checked, and so are the heads
+        ({"path": str(tiny["model"])}, {"parallel": {"tp_size": 4, "pp_size": 2}, "scaling": {"num_workers": 8}},
+         "parallel.tp_size", "num_key_value_heads (2)"),
         ({"path": str(tiny["model"])}, {"parallel": {"pp_size": 2, "pp_split": [2, 1]},
                                         "scaling": {"num_workers": 2}},
          "parallel.pp_split", "2 layer counts (one per stage) summing to num_hidden_layers (2)"),

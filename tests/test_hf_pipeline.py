@@ -144,6 +144,7 @@ def _tied_runs(root, model, layouts) -> LayoutRuns:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~30 s; the tied head on 1F1B stages (tests/test_hf.py) runs by default
 def test_a_tied_head_on_interleaved_stages_matches_one_process_and_exports_tied(tmp_path_factory, tied4, tmp_path):
     """Rank 0 holds stages 0 and 2 (the embedding), rank 1 stages 1 and 3 (the head: a
     copy of the embedding, read from the embedding's tensor in the file). Their

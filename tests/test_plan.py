@@ -275,7 +275,8 @@ def test_multi_node_large_model_gives_pipeline_across_nodes_times_dp():
 
 def test_a_model_no_2d_layout_fits_gives_tp_in_node_times_pp_times_fsdp():
     """175B-class on 8 nodes of 8 x 80 GB: FSDP, TP x FSDP and PP x DP all exceed the
-    budget; TP within a node x a pipeline x FSDP over the replicas (3-D) fits, and the
+    budget; TP within a node x a pipeline x FSDP over the replicas that share a node
+    (3-D, estimated by the same multi-node rule as FSDP and TP x FSDP) fits, and the
     estimate is the one of that layout."""
     big = generic_shape(num_params=175 * 10**9, n_layer=96, hidden=12288, seq_len=4096, n_head=96)
     plan = make_plan(model=big, device_memory=80 * 10**9, devices_per_node=8, nodes=8,
@@ -285,9 +286,23 @@ def test_a_model_no_2d_layout_fits_gives_tp_in_node_times_pp_times_fsdp():
     assert rec.strategy == "tp_pp", plan.reasons
     lay = rec.layout
     assert lay.tp in (2, 4, 8) and 8 % lay.tp == 0 and lay.pp > 1 and lay.dp * lay.tp * lay.pp == 64
-    assert lay.shard == lay.dp > 1
+    assert 1 < lay.shard <= min(lay.dp, 8 // lay.tp)  # FSDP over the replicas within a node
     assert rec.estimate == estimate_memory(model=big, layout=lay, precision="bf16", activation_checkpointing=True)
     assert any("3-D parallelism" in r for r in plan.reasons)
+
+
+def test_pinned_tp_and_pp_give_a_layout_with_both():
+    """``--tp 2 --pp 2``: the recommendation has both splits (3-D), though DDP would fit;
+    ``--pp 2`` alone: a layout with a pipeline; pinned sizes that fit nowhere say so."""
+    base = dict(model=preset_shape("gpt2"), device_memory=80 * GB, devices_per_node=4, nodes=2, global_batch=64)
+    assert make_plan(**base).recommended.strategy == "ddp"
+    plan = make_plan(**base, tp=2, pp=2)
+    rec = plan.recommended
+    assert rec.strategy == "tp_pp" and (rec.layout.tp, rec.layout.pp, rec.layout.dp) == (2, 2, 2), rec
+    assert plan.reasons[0].startswith("--tp 2 --pp 2 pinned: TP x PP (x FSDP) fits"), plan.reasons
+    assert make_plan(**base, pp=2).recommended.layout.pp == 2
+    tight = make_plan(**{**base, "device_memory": 2 * 2**20}, tp=2, pp=2)
+    assert tight.recommended is None and tight.reasons[0].startswith("--tp 2 --pp 2 pinned: no layout"), tight.reasons
 
 
 def test_nothing_fits_says_so_and_suggests_checkpointing():

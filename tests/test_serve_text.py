@@ -155,6 +155,16 @@ def test_incremental_text_is_the_whole_decode(tokenizer, request):
         assert _run(stream, completion) == stream.text == expected, prompt_text
 
 
+def test_special_tokens_inside_a_completion_are_skipped_as_in_the_whole_decode(byte_bpe):
+    """Ids with no text of their own (skipped special tokens) widen the window until text
+    comes; the text is the whole decode's, and the window then moves on."""
+    eos = byte_bpe._tok.eos_token_id
+    completion = byte_bpe.encode(" hello") + [eos, eos] + byte_bpe.encode(" 日本 world") + [eos]
+    stream = TextStream(byte_bpe, prompt=byte_bpe.encode("say"))
+    assert _run(stream, completion) == stream.text == byte_bpe.decode(completion) == " hello 日本 world"
+    assert len(stream._window) <= 6, stream._window  # not the whole completion
+
+
 @pytest.mark.parametrize("tokenizer", ["byte_bpe", "metaspace"])
 def test_decode_work_per_token_is_bounded(tokenizer, request):
     """Each token decodes a window of a few ids, not the whole completion: the ids

@@ -28,9 +28,12 @@ __all__ = ["load_safetensors", "local_slice", "materialize"]
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Give a meta-device model (or its shards) real, uninitialised storage on `device`;
     tied parameters stay tied (`to_empty` gives plain tensors one copy per module), and
-    hooks registered on the meta parameters move to the new ones (`to_empty` makes new
-    `Parameter`s: TP's hook that keeps only an embedding's own rows of its gradient was
-    lost, so each TP rank held the whole vocabulary's gradient)."""
+    the post-accumulate-grad hooks registered on the meta parameters are registered
+    again: `to_empty` gives each parameter new storage (a new `Parameter`, or for a
+    DTensor the same one over a new local tensor), which drops them. TP's hook that
+    keeps only an embedding's own rows of its gradient was lost so, and each TP rank
+    held the whole vocabulary's gradient. (Handles returned by the first registration
+    no longer remove them; nothing here removes one.)"""
     tied = shared_parameters(model)
     hooks = {name: list((p._post_accumulate_grad_hooks or {}).values())
              for name, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)}

@@ -47,9 +47,10 @@ def parallelize(model: nn.Module, *, env, cfg, family: "ModelFamily", model_kwar
         # TP x PP: the plan of the whole model (its names), each stage taking its entries
         plan = family.tp_plan(staged, model_kwargs) if cfg.tp_size > 1 else None
         first = iter([True])  # rank 0 announces compiling once, at its first stage
-        return apply_pp(staged, env=env, cfg=cfg, mesh=mesh, layout=family.pipeline_layout(),
+        layout = family.pipeline_layout()
+        return apply_pp(staged, env=env, cfg=cfg, mesh=mesh, layout=layout,
                         data_parallel=lambda part: _stage_data_parallel(part, env=env, cfg=cfg, mesh=mesh,
-                                                                        blocks=blocks, plan=plan,
+                                                                        blocks=blocks, plan=plan, layout=layout,
                                                                         announce=next(first, False)))
     wrapped = _tensor_parallel(model, env=env, cfg=cfg, mesh=mesh, plan=family.tp_plan(model, model_kwargs),
                                blocks=blocks)
@@ -63,13 +64,12 @@ def _tensor_parallel(model: nn.Module, *, env, cfg, mesh, plan: dict[str, str], 
                      announce: bool = True) -> Parallelized:
     """TP over ``mesh["tp"]``, then (dp > 1) FSDP over ``mesh["dp"]``: TP'd parameters
     become 2-D DTensors (Shard over dp, Shard/Replicate over tp). `model` may be a
-    pipeline stage: the plan's entries for modules it does not hold are left out."""
+    pipeline stage (its entries of the plan: `_stage_plan`)."""
     from raytrain_platform.parallel.tp import apply_tp
 
     dp = mesh["dp"].size()
-    held = {k: v for k, v in plan.items() if _holds(model, k)}
     # Alone, TP reshards its embeddings' gradients itself; under FSDP its reduce-scatter does.
-    apply_tp(model, mesh=mesh["tp"], plan=held, sequence_parallel=cfg.sequence_parallel,
+    apply_tp(model, mesh=mesh["tp"], plan=plan, sequence_parallel=cfg.sequence_parallel,
              reshard_grads=dp == 1)
     _block_options(model, env=env, cfg=cfg, blocks=blocks, announce=announce)
     if dp > 1:
@@ -80,17 +80,31 @@ def _tensor_parallel(model: nn.Module, *, env, cfg, mesh, plan: dict[str, str], 
     return wrapped
 
 
-def _holds(model: nn.Module, path: str) -> bool:
-    """Whether `model` has the submodule at `path` (a pipeline stage sets the ends it
-    does not hold to None and deletes other stages' blocks)."""
+def _stage_plan(part: nn.Module, plan: dict[str, str], layout) -> dict[str, str]:
+    """A pipeline stage's entries of the whole model's TP plan: the paths it holds, and
+    none other than those of the blocks and ends the split removed (another path the
+    stage lacks is a bug in the family's plan, not left out silently)."""
+    blocks = layout.blocks + "."
+    removed = [p for p in layout.first + layout.last if _at(part, p) is None]
+    held = {}
+    for path, kind in plan.items():
+        if _at(part, path) is not None:
+            held[path] = kind
+        elif not (path.startswith(blocks) or any(path == r or path.startswith(r + ".") for r in removed)):
+            raise ValueError(f"tensor-parallel plan path {path!r}: no such module in {type(part).__name__}")
+    return held
+
+
+def _at(model: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at `path`, None where a pipeline stage dropped it (or a parent)."""
     try:
-        return model.get_submodule(path) is not None
+        return model.get_submodule(path)
     except AttributeError:
-        return False
+        return None
 
 
 def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks, plan: dict[str, str] | None,
-                         announce: bool) -> Parallelized:
+                         layout, announce: bool) -> Parallelized:
     """A pipeline stage over the data-parallel ranks: with a TP `plan`, TP over
     ``mesh["tp"]`` first (TP x PP; then FSDP where dp > 1); else FSDP over ``mesh["dp"]``,
     or for 'ddp', a replica whose gradients the pipeline runner all-reduces once per
@@ -98,7 +112,8 @@ def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks, pla
     exchange under gloo, torch 2.13). The stage's blocks are checkpointed or compiled
     first."""
     if plan is not None:
-        return _tensor_parallel(part, env=env, cfg=cfg, mesh=mesh, plan=plan, blocks=blocks, announce=announce)
+        return _tensor_parallel(part, env=env, cfg=cfg, mesh=mesh, plan=_stage_plan(part, plan, layout),
+                                blocks=blocks, announce=announce)
     _block_options(part, env=env, cfg=cfg, blocks=blocks, announce=announce)
     if mesh["dp"].size() > 1 and cfg.strategy == "fsdp":
         return get_strategy("fsdp").load()(part, env=env, cfg=cfg, mesh=mesh["dp"], blocks=blocks(part))

@@ -13,8 +13,11 @@ Apa: Decision Guide"):
 
 and its pitfalls: TP only within a node (cross-node links are too slow for its
 per-layer collectives), a too small per-device batch lets communication dominate.
-On several nodes FSDP and TP x FSDP shard within a node and replicate across nodes
-(DP on top), so their heavy collectives stay on the fast intra-node links.
+On several nodes FSDP, TP x FSDP and TP x PP x FSDP are estimated sharded within a node
+and replicated across nodes (DP on top), so their heavy collectives stay on the fast
+intra-node links; the run itself shards over all its data-parallel ranks (FSDP2 on
+the whole data-parallel mesh), which holds less than the estimate. ``--tp``/``--pp``
+pin a split: the recommendation is then a layout that has it.
 
 >>> from raytrain_platform.plan.shapes import preset_shape
 >>> plan = make_plan(model=preset_shape("gpt2"), device_memory=80 * 2**30, devices_per_node=8,
@@ -223,9 +226,11 @@ def _options(req: PlanRequest) -> list[Option]:
     out.append(_search(req, "tp_fsdp", tps, lambda t: {
         "dp": n // t, "tp": t, "shard": n // t if nodes == 1 else per_node // t}))
     out.append(_search(req, "pp_dp", _pp_degrees(req, need_dp=True), lambda p: {"dp": n // p, "pp": p}))
-    # 3-D: FSDP over the data-parallel replicas (DDP over TP groups is refused)
+    # 3-D: FSDP over the data-parallel replicas (DDP over TP groups is refused); on several
+    # nodes, like FSDP and TP x FSDP above, the replicas that share a node (tp innermost)
     out.append(_search(req, "tp_pp", _tp_pp_degrees(req, tps), lambda tp_pp: {
-        "dp": n // (tp_pp[0] * tp_pp[1]), "tp": tp_pp[0], "pp": tp_pp[1], "shard": n // (tp_pp[0] * tp_pp[1])}))
+        "dp": (dp := n // (tp_pp[0] * tp_pp[1])), "tp": tp_pp[0], "pp": tp_pp[1],
+        "shard": dp if nodes == 1 else max(1, min(dp, per_node // tp_pp[0]))}))
     # A split the model's family refuses is no option, whatever it would fit.
     return [Option(o.strategy, False, note=why) if (why := _refused(req, o.strategy)) else o for o in out]
 
@@ -403,9 +408,26 @@ def make_plan(*, model: ModelShape, device_memory: int, devices_per_node: int = 
         rec, reasons = _fits_one_device(req, by_name)
     else:
         rec, reasons = _too_big(req, by_name)
+    pinned = [d for d in ("tp", "pp") if (getattr(req, d) or 1) > 1]
+    if pinned and (rec is None or not set(pinned) <= set(_SPLITS.get(rec.strategy, ()))):
+        rec, reasons = _pinned(req, options, pinned)
     lora_option, size = (None, None) if rec is not None else _lora_instead(req, reasons)
     return Plan(request=req, options=tuple(options), recommended=rec, reasons=tuple(reasons),
                 warnings=tuple(_warnings(req, rec)), lora_option=lora_option, lora_size=size)
+
+
+def _pinned(req: PlanRequest, options: list[Option], pinned: list[str]) -> tuple[Option | None, list[str]]:
+    """The recommendation when ``--tp``/``--pp`` pin a split: the first option (in
+    `STRATEGY_ORDER`) that has every pinned split and fits."""
+    pins = " ".join(f"--{d} {getattr(req, d)}" for d in pinned)
+    with_pins = [o for o in options if set(pinned) <= set(_SPLITS.get(o.strategy, ())) and o.applicable]
+    fit = next((o for o in with_pins if o.fits), None)
+    if fit is None:
+        sizes = ", ".join(f"{LABELS[o.strategy]} {_need(o)}" for o in with_pins) or "none applies"
+        return None, [f"{pins} pinned: no layout with it fits ({sizes}; budget {format_size(req.budget)})"]
+    lay = fit.fitted_layout
+    return fit, [f"{pins} pinned: {LABELS[fit.strategy]} fits ({_need(fit)} of {format_size(req.budget)}): "
+                 f"tp {lay.tp} x pp {lay.pp} x {lay.dp} data-parallel replica(s), {_batch_words(fit)}"]
 
 
 def _lora_instead(req: PlanRequest, reasons: list[str]) -> tuple[Option | None, LoraSize | None]:

@@ -60,7 +60,9 @@ class HFTokenizer:
         return list(self._tok(text)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        # No clean-up of spaces (" ." -> "."): it rewrites text already streamed (vLLM's
+        # detokenizer does none either); Llama, Qwen and Mistral tokenizers do none anyway.
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def render_chat(self, messages: list[dict]) -> str:
         """The chat template's text with an opened assistant turn (encoded as it stands:
@@ -88,8 +90,10 @@ class TextStream:
     """The text of one request's generated tokens, released as it becomes final.
 
     Decoding is incremental (vLLM's and TGI's detokenizer): each token decodes only the
-    ids since the text was last final, after the ids just before them, so a token costs
-    the same at the 10th token as at the 10,000th. The text after the earlier ids' own
+    ids since the text was last final, after the ids just before them, so the decode a
+    token costs does not grow with the completion (a run of ids with no text of their
+    own yet, skipped special tokens or bytes of an unfinished character, widens the
+    window until text comes). The text after the earlier ids' own
     is the new text: a tokenizer whose decoder strips the text's leading space
     (SentencePiece's Metaspace, Llama-2, Mistral) would drop a word's space if its ids
     were decoded alone. `prompt`: the request's prompt ids; the first window starts with
