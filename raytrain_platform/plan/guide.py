@@ -300,23 +300,20 @@ def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, lis
                          f"table row '8 GPUs, big model': tensor parallelism of degree {lay.tp} within "
                          f"a node (its per-layer collectives need the fast intra-node links) x FSDP "
                          f"over {lay.shard}{where}: {_batch_words(tp_fsdp)}"]
-    for pipe in (pp_dp, o["pp"]):
+    for pipe in (pp_dp, o["pp"], o["tp_pp"]):  # pipelines across nodes, then 3-D
         if pipe.fits:
             lay = pipe.fitted_layout
             across = "across nodes" if req.nodes > 1 else "within the node"
-            return pipe, [head + "; neither FSDP nor TP x FSDP fits",
-                          f"table row 'across nodes': a pipeline of {lay.pp} stages ({across}; only "
-                          f"activations cross stage boundaries) x {lay.dp} data-parallel replica(s): "
+            if pipe.strategy == "tp_pp":
+                why, how = ("no 2-D layout fits (FSDP, TP x FSDP, PP x DP)",
+                            f"3-D parallelism: tensor parallelism of degree {lay.tp} within a node x a "
+                            f"pipeline of {lay.pp} stages ({across})")
+            else:
+                why, how = ("neither FSDP nor TP x FSDP fits", f"table row 'across nodes': a pipeline of "
+                            f"{lay.pp} stages ({across}; only activations cross stage boundaries)")
+            sharded = f" (FSDP over {lay.shard})" if lay.shard > 1 else ""
+            return pipe, [head + "; " + why, f"{how} x {lay.dp} data-parallel replica(s){sharded}: "
                           f"{lay.micro_batches} micro-batches of {lay.micro_batch} per step"]
-    tp_pp = o["tp_pp"]
-    if tp_pp.fits:
-        lay = tp_pp.fitted_layout
-        across = "across nodes" if req.nodes > 1 else "within the node"
-        return tp_pp, [head + "; no 2-D layout fits (FSDP, TP x FSDP, PP x DP)",
-                       f"3-D parallelism: tensor parallelism of degree {lay.tp} within a node x a pipeline "
-                       f"of {lay.pp} stages ({across}) x {lay.dp} data-parallel replica(s)"
-                       + (f" (FSDP over {lay.shard})" if lay.shard > 1 else "")
-                       + f": {lay.micro_batches} micro-batches of {lay.micro_batch} per step"]
     estimated = [(x.estimate.total, x) for x in o.values() if x.estimate]
     smallest = min(estimated, key=lambda te: te[0])[1]
     return None, [head + f"; no strategy fits: the smallest is {LABELS[smallest.strategy]} at "
