@@ -39,13 +39,13 @@ def _whole_decode_stream():
     class WholeDecode(TextStream):
         def __init__(self, tokenizer, stop=(), prompt=()):
             super().__init__(tokenizer, stop, prompt)
-            self._head_ids = list(prompt[-self.PREFIX_IDS:])
+            self._head_ids, self._ids = list(prompt[-self.PREFIX_IDS:]), []
             self._head = tokenizer.decode(self._head_ids) if self._head_ids else ""
 
         def _decode_next(self, token: int) -> str:
-            self.ids.append(token)
-            text = self.tokenizer.decode(self._head_ids + self.ids)
-            text = text[len(self._head):] if text.startswith(self._head) else self.tokenizer.decode(self.ids)
+            self._ids.append(token)
+            text = self.tokenizer.decode(self._head_ids + self._ids)
+            text = text[len(self._head):] if text.startswith(self._head) else self.tokenizer.decode(self._ids)
             self._final, self._pending = text, ""  # what finish() releases
             return text
 

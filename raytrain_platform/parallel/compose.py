@@ -64,7 +64,7 @@ def _tensor_parallel(model: nn.Module, *, env, cfg, mesh, plan: dict[str, str], 
                      announce: bool = True) -> Parallelized:
     """TP over ``mesh["tp"]``, then (dp > 1) FSDP over ``mesh["dp"]``: TP'd parameters
     become 2-D DTensors (Shard over dp, Shard/Replicate over tp). `model` may be a
-    pipeline stage (its entries of the plan: `_stage_plan`)."""
+    pipeline stage (its entries of the plan: `parallel.pp.stage_plan`)."""
     from raytrain_platform.parallel.tp import apply_tp
 
     dp = mesh["dp"].size()
@@ -80,29 +80,6 @@ def _tensor_parallel(model: nn.Module, *, env, cfg, mesh, plan: dict[str, str], 
     return wrapped
 
 
-def _stage_plan(part: nn.Module, plan: dict[str, str], layout) -> dict[str, str]:
-    """A pipeline stage's entries of the whole model's TP plan: the paths it holds, and
-    none other than those of the blocks and ends the split removed (another path the
-    stage lacks is a bug in the family's plan, not left out silently)."""
-    blocks = layout.blocks + "."
-    removed = [p for p in layout.first + layout.last if _at(part, p) is None]
-    held = {}
-    for path, kind in plan.items():
-        if _at(part, path) is not None:
-            held[path] = kind
-        elif not (path.startswith(blocks) or any(path == r or path.startswith(r + ".") for r in removed)):
-            raise ValueError(f"tensor-parallel plan path {path!r}: no such module in {type(part).__name__}")
-    return held
-
-
-def _at(model: nn.Module, path: str) -> nn.Module | None:
-    """The submodule at `path`, None where a pipeline stage dropped it (or a parent)."""
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        return None
-
-
 def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks, plan: dict[str, str] | None,
                          layout, announce: bool) -> Parallelized:
     """A pipeline stage over the data-parallel ranks: with a TP `plan`, TP over
@@ -112,7 +89,9 @@ def _stage_data_parallel(part: nn.Module, *, env, cfg, mesh, blocks: Blocks, pla
     exchange under gloo, torch 2.13). The stage's blocks are checkpointed or compiled
     first."""
     if plan is not None:
-        return _tensor_parallel(part, env=env, cfg=cfg, mesh=mesh, plan=_stage_plan(part, plan, layout),
+        from raytrain_platform.parallel.pp import stage_plan
+
+        return _tensor_parallel(part, env=env, cfg=cfg, mesh=mesh, plan=stage_plan(part, plan, layout),
                                 blocks=blocks, announce=announce)
     _block_options(part, env=env, cfg=cfg, blocks=blocks, announce=announce)
     if mesh["dp"].size() > 1 and cfg.strategy == "fsdp":

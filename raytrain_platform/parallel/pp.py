@@ -53,18 +53,18 @@ from raytrain_platform.parallel.grads import allreduce_grads, clip_grad_norm
 from raytrain_platform.parallel.ties import shared_parameters
 from raytrain_platform.models.family import PipelineLayout
 
-__all__ = ["apply_pp", "PipelineRunner"]
+__all__ = ["apply_pp", "PipelineRunner", "stage_plan"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _get(module: nn.Module, path: str) -> nn.Module | None:
+def _get(module: nn.Module, path: str, *, what: str = "pipeline layout path") -> nn.Module | None:
     """The submodule at a dotted `path` (a layout's names), None where a stage dropped
     it; a path the model lacks is an error (a layout's typo would drop a part silently)."""
     found: nn.Module | None = module
     for attr in path.split("."):
         if not hasattr(found, attr):
-            raise ValueError(f"pipeline layout path {path!r}: {type(found).__name__} has no {attr!r}")
+            raise ValueError(f"{what} {path!r}: {type(found).__name__} has no {attr!r}")
         found = getattr(found, attr)
         if found is None:
             return None
@@ -96,6 +96,20 @@ def _prune(model: nn.Module, layout: PipelineLayout, blocks: range, *, first: bo
     for path in (() if first else layout.first) + (() if last else layout.last):
         _put(model, path, None)
     return model
+
+
+def stage_plan(part: nn.Module, plan: dict[str, str], layout: PipelineLayout) -> dict[str, str]:
+    """A stage's entries of the whole model's tensor-parallel plan (TP x PP): those of
+    the blocks it holds and of the ends it keeps. A path that names no module of the
+    model is an error (`_get`), not left out silently."""
+    blocks, prefix = {name for name, _ in part.get_submodule(layout.blocks).named_children()}, layout.blocks + "."
+    held = {}
+    for path, kind in plan.items():
+        if path.startswith(prefix) and path[len(prefix):].split(".")[0] not in blocks:
+            continue  # another stage's block
+        if _get(part, path, what="tensor-parallel plan path") is not None:
+            held[path] = kind
+    return held
 
 
 def _owner(name: str, layout: PipelineLayout) -> str:

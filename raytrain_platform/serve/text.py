@@ -104,7 +104,6 @@ class TextStream:
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt: list[int] | tuple[int, ...] = ()):
         self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
-        self.ids: list[int] = []
         self.text = ""  # released so far
         self.stopped = False  # a stop string was reached; `text` ends before it
         # the ids decoded together: `_read` whose text is final, then those still pending
@@ -117,7 +116,6 @@ class TextStream:
     def _decode_next(self, token: int) -> str:
         """Adds `token`; returns the generated ids' text (the last character may be a
         U+FFFD standing for bytes still to come)."""
-        self.ids.append(token)
         self._window.append(token)
         text = self.tokenizer.decode(self._window)
         if text.startswith(self._read_text):
