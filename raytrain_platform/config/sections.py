@@ -1,6 +1,7 @@
 """The six sections of a job config: model, data, train, parallel, scaling, run. Each
 is a dataclass that checks its own fields in ``__post_init__``; what needs several
-sections at once is `job.JobConfig`'s."""
+sections at once is `job.JobConfig`'s. The string below each field documents it for users:
+config/docs.py turns those into docs/configuration.md."""
 
 from __future__ import annotations
 
@@ -44,13 +45,23 @@ class ModelConfig:
 
     SECTION: ClassVar[str] = "model"
     name: str = _REQUIRED
+    """A model family: `gpt`, `mlp`, `hf` (a Hugging Face causal LM from `model.kwargs.path`; see
+    [hf.md](hf.md)), or a user model `pkg.module:build_fn` (a function taking `**kwargs` and returning an
+    `nn.Module`; see [models.md](models.md))."""
     kwargs: dict = field(default_factory=dict)
+    """The model's sizes. `gpt`: `n_layer` 2, `n_head` 4, `n_embd` 128, `block_size` 64 (context length),
+    `dropout` 0.0, `bias` true, `init_std` 0.02 (byte-level vocabulary of 256). `mlp`: `hidden_sizes` [64,
+    64], `dropout` 0.0, `input_dim`/`num_outputs` (default: from the data), `task` classification or
+    regression. `hf`: see [hf.md](hf.md). User models: passed as keyword arguments."""
     task: Union[str, None] = None  # classification | regression | lm; built-ins know theirs
-    # The class name of the repeated blocks (FSDP units, activation checkpointing);
-    # default: the children of the model's largest ModuleList of one class.
+    """`classification`, `regression` or `lm`; needed only for user models (default classification); the
+    built-in families know theirs."""
     block_class: Union[str, None] = None
-    # LoRA adapters {r, alpha, dropout, target_modules}: only they train (models/lora.py).
+    """The class name of the model's repeated blocks, which FSDP shards one by one and activation checkpointing
+    wraps (default: the children of its largest `nn.ModuleList` of one class)."""
     lora: Union[dict, None] = None
+    """LoRA adapters `{r, alpha, dropout, target_modules}` (defaults 8, 16, 0.0, `[q_proj, v_proj]`): the base
+    is frozen and only the adapters train; see [hf.md](hf.md#lora-fine-tuning-modellora)."""
 
     def __post_init__(self) -> None:
         family = get_family(self.name)
@@ -74,45 +85,90 @@ class ModelConfig:
 class DataConfig:
     SECTION: ClassVar[str] = "data"
     source: str = _REQUIRED  # parquet | synthetic | text | jsonl
+    """`text` (a folder of text files cut into byte windows of `data.seq_len + 1`, or read through
+    `data.tokenizer` when there is one), `jsonl` (instruction or text records, one JSON object per line,
+    tokenized and packed; see `data.format`), `parquet` (tabular), `synthetic` (deterministic generator).
+    See [data.md](data.md)."""
     batch_size: Union[int, str] = _REQUIRED  # per-worker micro-batch, or "auto" (train.global_batch_size)
+    """Per-worker micro-batch (samples per worker per micro-step), or `auto`: the largest that fits in memory,
+    with `train.global_batch_size` (see [plan-and-doctor.md](plan-and-doctor.md#let-the-plan-decide-auto))."""
     path: Union[str, None] = None  # parquet/jsonl file, folder or URI; text folder (default: Python's stdlib)
-    # jsonl records: text | prompt_completion | chat (rendered by the tokenizer's chat template)
+    """`text`: folder (default: this Python's standard library sources); `parquet`, `jsonl` (required): a
+    folder/file or a pyarrow filesystem URI (`s3://...`, `gs://...`); a folder's `.jsonl` files are read
+    recursively, sorted."""
     format: str = "text"
-    # A local Hugging Face tokenizer folder (text, jsonl). Default: the model family's own
-    # (an hf model's directory); without one, text is read as bytes and jsonl is refused.
+    """`jsonl`: `text` (every token trained on), `prompt_completion` (the loss counts only the completion and
+    its EOS), `chat` (`messages` rendered by the tokenizer's chat template; the loss counts only the
+    assistant turns). Documents end with EOS and are packed into windows of `data.seq_len + 1` tokens; how
+    they are counted, kept and read: [data.md](data.md#jsonl-and-tokenized-text)."""
     tokenizer: Union[str, None] = None
+    """`text`, `jsonl`: a local Hugging Face tokenizer folder (never downloaded). Default: the model family's
+    own (an `hf` model's directory); a family without one (`gpt`, user builders) reads `text` as bytes and
+    needs it set for `jsonl`. Checked before Ray: it loads, has a chat template for `chat`, and has no more
+    tokens than the model's embeddings where the family knows them."""
     text_field: str = "text"  # jsonl field names, per format
+    """`jsonl` `text` format: the field holding the text."""
     prompt_field: str = "prompt"
+    """`jsonl` `prompt_completion` format: the prompt's field."""
     completion_field: str = "completion"
+    """`jsonl` `prompt_completion` format: the completion's field."""
     messages_field: str = "messages"
+    """`jsonl` `chat` format: the field holding `[{"role": ..., "content": ...}, ...]`."""
     feature_columns: Union[list[str], None] = None  # parquet: input columns (default: all but label)
+    """`parquet`: input columns (default: every column but the label)."""
     label_column: str = "label"
+    """`parquet`: integer class index below 1,000,000 (classification; the model gets one output per index up
+    to the largest in `data.path` and `data.val_path`) or finite number (regression); a null label or
+    feature is an error naming the file and column."""
     val_path: Union[str, None] = None  # parquet: separate validation data (else val_fraction)
+    """`parquet` only (another source refuses it): separate validation data: validation is every row of it and
+    training every row of `data.path` (`val_fraction` is not used); otherwise `val_fraction` is held out."""
     val_fraction: float = 0.05  # held out by a hash of each sample's file and place (data/sources.py)
+    """Share of samples held out for validation, chosen by a hash (the same at every world size) of the file's
+    path under `data.path` and the sample's place in it; see [data.md](data.md#the-validation-split)."""
     num_samples: int = 4096  # synthetic
+    """`synthetic`: rows (at most 100,000,000)."""
     num_features: int = 16  # synthetic tabular
+    """`synthetic`: tabular features."""
     num_classes: int = 4  # synthetic classification
+    """`synthetic`: classes."""
     seed: int = 0  # synthetic generator
+    """`synthetic`: generator seed (0 to 2**32 - 1, as every seed)."""
     glob: str = "**/*.py"  # text: which files under path
-    # lm: tokens of context per sample (each sample holds seq_len + 1 tokens: the targets
-    # are the inputs shifted by one). Default: the model's context (gpt: block_size; hf:
-    # max_position_embeddings, at most 2048).
+    """`text`: which files under the folder, matched against each file's path below it: `*` stays within one
+    folder, `**/` is zero or more folders (so `**/*.py` takes the top-level files too), a final `/**` is
+    everything below (`sub/*.txt`: the .txt files directly in `sub`)."""
     seq_len: Union[int, None] = None
+    """`lm`: tokens of context per sample (each sample holds `seq_len + 1` tokens: targets are the inputs
+    shifted by one). Default: the model's context. `gpt`: `block_size`, and may not exceed it; `hf`: the
+    model's `max_position_embeddings`, at most 2048, and may not exceed its positions; a user language model
+    needs it set."""
     max_files: Union[int, None] = None  # text: use only the first N files (sorted)
+    """`text`: use only the first N files (sorted)."""
     prefetch_batches: int = 2
+    """Batches each worker prefetches ahead of the step."""
     shuffle_buffer: int = 0  # local shuffle buffer in rows per worker; 0 = source order
+    """Local shuffle buffer in rows per worker, for the training split under Ray (validation always keeps
+    source order, so every evaluation sees the same samples; the torchrun reader keeps source order); 0
+    keeps source order."""
     shuffle_seed: Union[int, None] = None  # default: train.seed
-    # false: every worker reads the whole training set (Ray Train's unsplit datasets):
-    # the same samples on every rank, which `rtp doctor` flags; true is what DDP needs.
+    """Seed of the local shuffle (default: `train.seed`; plus the epoch)."""
     split_across_workers: bool = True
+    """Split the training set so each sample goes to one rank per epoch; `false` gives every worker the whole
+    set (Ray Train's unsplit datasets), which duplicates samples across ranks: `rtp doctor` flags it."""
     max_read_rows_per_s: Union[float, None] = None  # throttle each read task (simulate slow storage)
-    # text/jsonl through a tokenizer: keep the packed windows in the token cache
-    # ($RTP_CACHE_DIR, ~5 bytes per token), so that a piece is tokenized once, not by
-    # the driver's count and again by every read of it (data/window_cache.py)
+    """Throttle each read task to this many rows/s: simulates slow storage (what `rtp doctor`'s data-loading
+    check is tested with)."""
     window_cache: bool = True
-    # text/jsonl through a tokenizer: processes the driver's count pass tokenizes with
-    # (data/pool.py): auto = 1 below 16 MiB to tokenize, else one per core (at most 16)
+    """`jsonl`, and `text` with a tokenizer: keep each file's packed windows in the token cache, so a file is
+    tokenized once, by the driver's count, and the read tasks map the windows instead of tokenizing it again
+    every epoch; `false` for a corpus too large to keep twice on disk. See
+    [data.md](data.md#tokenized-once-the-token-cache)."""
     tokenize_processes: Union[int, str] = "auto"
+    """`jsonl`, and `text` with a tokenizer: processes the driver's count pass tokenizes with. `auto`: the
+    driver's own below 16 MiB to tokenize, and in a Ray actor (a sweep's trial), else one per core it may
+    use (divided among a torchrun node's ranks), at most 16; `N`: that many (1: the driver's process alone).
+    The windows are the same either way."""
 
     _ALLOWED: ClassVar[dict[str, str]] = {
         "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)",
@@ -192,28 +248,52 @@ class DataConfig:
 class TrainConfig:
     SECTION: ClassVar[str] = "train"
     max_steps: Union[int, None] = None  # optimizer steps; stops at whichever of these comes first
+    """Optimizer steps; the run stops at whichever of `max_steps` and `epochs` comes first (at least one is
+    required)."""
     epochs: Union[int, None] = None
+    """Passes over the training split."""
     grad_accum_steps: int = 1  # micro-steps per optimizer step
+    """Micro-steps per optimizer step; the gradient sync runs only on the last one (derived when
+    `data.batch_size` is `auto`)."""
     global_batch_size: Union[int, None] = None  # with data.batch_size auto: samples per optimizer step
+    """Samples per optimizer step over all replicas; required with `data.batch_size: auto`, otherwise optional
+    and must equal `batch_size x grad_accum_steps x data-parallel workers`."""
     lr: float = 1e-3
+    """Peak learning rate."""
     optimizer: str = "adamw"  # adamw | sgd
+    """`adamw` (the fused single-kernel AdamW on CPU and CUDA, DTensors included) or `sgd` (multi-tensor)."""
     weight_decay: float = 0.0
+    """On matrices only (not biases and norms)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
     momentum: float = 0.9  # sgd
+    """SGD momentum."""
     lr_schedule: str = "cosine"  # cosine | constant (both after warmup)
+    """`cosine` (down to `min_lr_ratio` x lr) or `constant`, both after warmup."""
     warmup_steps: int = 0
+    """Linear warmup steps."""
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    """Cosine floor as a fraction of `lr`."""
     grad_clip: float = 1.0  # max global grad norm; 0 = off
+    """Max global gradient norm; 0 = off."""
     precision: str = "fp32"  # fp32 | bf16 (autocast)
+    """`fp32` or `bf16` (autocast)."""
     seed: int = 0
-    # A step whose loss or gradient norm is NaN/inf: stop (exit 1, naming the step and the
-    # newest finite checkpoint) or skip_step (no update; counted as nonfinite_skips), which
-    # stops once more than max_nonfinite_skips steps in a row are skipped.
+    """Weights, dropout and shuffling; the same config twice gives the same losses (0 to 2**32 - 1)."""
     on_nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN/inf: `stop` (exit 1 at that step, one line naming it and the
+    newest checkpoint whose loss was finite) or `skip_step` (no update; counted as `nonfinite_skips` in the
+    metrics). See [clusters.md](clusters.md#diverged-runs-keep-their-good-checkpoints)."""
     max_nonfinite_skips: int = 10
-    # Language models with a loss mask (instruction data): counted runs the output head and
-    # the loss on the tokens the loss counts only (core/counted.py); all on every position.
+    """`skip_step`: more skipped steps than this in a row stop the run as `stop` does."""
     logits: str = "counted"
+    """Language models on instruction data (a loss mask): `counted` runs the output head, the fp32 cast and the
+    cross-entropy on the tokens the loss counts only (the same loss and gradients, less compute and
+    activation memory where the head is a large share of the weight matmuls; see
+    [hf.md](hf.md#the-head-on-counted-tokens)); `all` on every position, as Hugging Face's own loss does.
+    Without a loss mask every token counts and both are the same. `hf` models (and `gpt`'s head; a pipeline
+    stage, or a head whose input is a sequence shard, runs every position); a model whose forward reshapes
+    its head's output is refused at the first step, naming `all`."""
 
     _ON_NONFINITE: ClassVar[tuple[str, ...]] = ("stop", "skip_step")
     _LOGITS: ClassVar[tuple[str, ...]] = ("counted", "all")
@@ -256,21 +336,50 @@ class TrainConfig:
 class ParallelConfig:
     SECTION: ClassVar[str] = "parallel"
     strategy: str = "none"
+    """`none` (exactly 1 worker), `ddp`, `fsdp`, or `auto` (the decision guide picks, for the cluster it runs
+    on: see [plan-and-doctor.md](plan-and-doctor.md#let-the-plan-decide-auto)); an unknown name lists the
+    known ones."""
     ddp_bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size."""
     find_unused_parameters: bool = False
+    """DDP: for models whose forward skips parameters."""
     # FSDP only (parallel/fsdp.py). mixed_precision and cpu_offload need GPUs: rejected on CPU.
     mixed_precision: bool = False  # bf16 parameters in forward/backward, fp32 gradient reduction
+    """FSDP on GPU: bf16 parameters, fp32 gradient reduction."""
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
+    """FSDP: free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2-like,
+    more memory, less communication)."""
     cpu_offload: bool = False  # sharded parameters, gradients, optimizer state in host memory
+    """FSDP on GPU: keep sharded parameters, gradients and optimizer state in host memory."""
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    """Recompute each block's activations in backward; any model with repeated blocks (`gpt`, `hf`, user
+    models; not `mlp`), on every layout: `none`, `ddp`, `fsdp`, TP (x FSDP) and pipeline stages; with
+    `parallel.compile`, inside each compiled block's graph."""
     compile: bool = False  # torch.compile each repeated block (parallel/compile.py)
+    """`torch.compile` (TorchInductor) each repeated block in place, after TP shards it and before DDP/FSDP
+    wrap it; any model with repeated blocks, on every layout. The first step compiles; a CPU worker needs a
+    C++ compiler (`$CXX`, else `g++`), a GPU worker Triton. See
+    [parallelism.md](parallelism.md#compiled-blocks-parallelcompile)."""
     # Model parallelism (gpt; parallel/dims.py): data-parallel size = num_workers / (tp x pp).
     tp_size: int = 1  # tensor-parallel ranks per model replica (heads split across them)
+    """`gpt`, or `hf` Llama-style decoders (llama, mistral, qwen2, qwen3): tensor-parallel ranks per model
+    replica (must divide the heads, and the kv heads). The data-parallel size is `scaling.num_workers /
+    (tp_size x pp_size)`; `strategy` is the data-parallel layer over it (`fsdp` for TP x FSDP)."""
     pp_size: int = 1  # pipeline-parallel ranks (stages) per model replica
+    """`gpt`, or `hf` Llama-style decoders (llama, mistral, qwen2, qwen3), tied embeddings included: pipeline
+    stages (ranks) per model replica; `strategy: ddp` or `fsdp` on top gives PP x DP; with `tp_size` > 1
+    too, each stage is tensor parallel (TP x PP, and `fsdp` on top for 3-D)."""
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    """`gpipe`, `1f1b`, `interleaved_1f1b` (2 stages per rank)."""
     pp_microbatches: Union[int, None] = None  # pipeline chunks per micro-batch; default pp_size
+    """Pipeline chunks each micro-batch is cut into (default: `pp_size`); divides `data.batch_size`, at least
+    `pp_size` for the 1F1B schedules, and a multiple of `pp_size` for `interleaved_1f1b`."""
     pp_split: Union[list[int], None] = None  # blocks (decoder layers) per stage; default balanced
+    """Blocks per stage, e.g. `[1, 3]` (default: balanced); one entry per stage (2 x `pp_size` for
+    interleaved), summing to `n_layer` (`num_hidden_layers` for `hf`)."""
     sequence_parallel: bool = False  # TP: norms and dropout on sequence shards
+    """TP: layer norms and dropout run on sequence shards (activation memory / tp). Refused for `hf` before
+    launch (transformers builds its rotary positions from the sequence shard a rank holds)."""
 
     _FSDP_ONLY: ClassVar[dict[str, bool]] = {
         "mixed_precision": False, "reshard_after_forward": True, "cpu_offload": False}
@@ -309,15 +418,25 @@ class ParallelConfig:
 class ScalingConfig:
     SECTION: ClassVar[str] = "scaling"
     num_workers: int = 1
+    """Training workers (one process each, one GPU each with `use_gpu`); `{min: M, max: N}` for an elastic run
+    (stored as `num_workers: N`, `min_workers: M`)."""
     use_gpu: bool = False
+    """GPUs and nccl; otherwise CPUs and gloo."""
     cpus_per_worker: float = 1.0
+    """CPUs reserved per worker. Keep `num_workers x cpus_per_worker` at least 0.5 below the cluster's CPUs, or
+    Ray Data has none left to read with (rejected up front)."""
     torch_threads: Union[int, None] = None  # intra-op threads per worker; default from CPUs
+    """Intra-op threads per worker, 1 to 4,096 (default: `floor(cpus_per_worker)`, at least 1)."""
     memory_budget: Union[str, None] = None  # per CPU worker, for the auto fields, e.g. "4GiB"
-    # Elastic: `num_workers: {min: 1, max: 4}` is stored as num_workers 4, min_workers 1. Ray
-    # starts with what the cluster has (>= min) and restarts smaller or larger after a
-    # failure; the global batch stays num_workers x batch x accum (accumulation makes it up).
+    """CPU workers: memory per worker the `auto` fields plan against, e.g. `4GiB` (default: 80% of a node's
+    memory shared by its workers); GPUs use the device's memory."""
     min_workers: Union[int, None] = None
+    """Elastic: Ray starts with what the cluster has from `min_workers` up to `num_workers`, and restarts
+    smaller after a lost node; accumulation keeps the global batch (`grad_accum_steps x num_workers` must
+    divide by every count in between). ddp, fsdp or auto, with `tp_size` and `pp_size` 1."""
     placement_strategy: str = "PACK"  # Ray placement group: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    """Ray placement group of the workers: `PACK`, `SPREAD` (one node each where possible), `STRICT_PACK`,
+    `STRICT_SPREAD`."""
 
     _PLACEMENT: ClassVar[tuple[str, ...]] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -361,19 +480,33 @@ class ScalingConfig:
 class RunConfig:
     SECTION: ClassVar[str] = "run"
     name: str = _REQUIRED
+    """The run directory's name under `storage_path`; the same name again resumes."""
     storage_path: str = "./runs"  # local folder (or shared mount) holding run directories
+    """Local folder, shared mount or URI holding run directories; `rtp validate` and `rtp train` check, before
+    Ray, that a folder exists or can be created and is writable (a URI: that its pyarrow filesystem
+    resolves)."""
     checkpoint_every: int = 50  # optimizer steps between checkpoints; 0 = only at the end
+    """Optimizer steps between checkpoints (and always at the end); 0 = only at the end."""
     keep_checkpoints: int = 2
+    """Newest checkpoints kept, and always the newest whose loss was finite."""
     max_failures: int = 0  # worker-failure retries (FailureConfig); -1 = unlimited
+    """Worker-failure retries from the latest checkpoint (Ray `FailureConfig`); -1 = unlimited."""
     eval_every: int = 50  # optimizer steps between validation passes; 0 = only at the end
+    """Optimizer steps between validation passes (and at the end); 0 = only at the end."""
     eval_batches: int = 8  # validation micro-batches per rank per pass
+    """Validation micro-batches per data-parallel rank per pass (the ranks of one TP or PP group share them)."""
     log_every: int = 1  # optimizer steps between metric reports
-    # Experiment trackers fed from rank 0 at every report (raytrain_platform/tracking/).
+    """Optimizer steps between metric reports (console line, `metrics.jsonl`)."""
     tracking: list[str] = field(default_factory=list)  # any of TRACKERS; none by default
-    # MLflow store; default MLFLOW_TRACKING_URI, else sqlite:///<storage_path>/mlflow.db
+    """Experiment trackers fed at every report: any of `mlflow`, `tensorboard` (see
+    [tracking.md](tracking.md))."""
     tracking_uri: Union[str, None] = None
+    """MLflow store: `MLFLOW_TRACKING_URI` if set, else `sqlite:///<storage_path>/mlflow.db`; a relative path
+    (`mlruns`, `file:./mlruns`, `sqlite:///m.db`) is relative to the directory the driver runs in."""
     experiment: Union[str, None] = None  # MLflow experiment; default "raytrain_platform"
+    """MLflow experiment; null = `raytrain_platform`."""
     log_checkpoints: bool = False  # also log the best checkpoint to MLflow (large)
+    """Also log the best checkpoint to MLflow (with `mlflow` only; large)."""
 
     _ALLOWED: ClassVar[dict[str, str]] = {
         "tracking": f"a list of trackers, any of {list(TRACKERS)} (default: none)"}
