@@ -25,7 +25,7 @@ starts (it tokenizes every file once), the step time and tokens/s, and each eval
 step's wall time beyond a median step (from when each line of metrics.jsonl appears;
 the first evaluation also reads the validation batches).
 
-Measured here (2 CPU cores; README "Tokenization in Ray Data"): each later epoch's first
+Measured here (2 CPU cores; benchmarks/results/hf-data-2026-12-05.md): each later epoch's first
 step waited 1.4 s at 2000 and 5500 records and 4.9 s with 5x the 5500, while one task
 tokenized the whole file before Ray's strict repartition into micro-batches could pass
 any of it on; about 0.1 s at each since a single task streams micro-batch blocks itself

@@ -3,7 +3,7 @@
     serve run pipelines.serve:app checkpoint=runs/quickstart
     serve run pipelines.serve:app checkpoint=mlp=runs/tabular,gpt=runs/quickstart max_batch_size=16
 
-Options are those of `rtp serve` (see README "Serving"); `rtp serve --write-config`
+Options are those of `rtp serve` (see docs/serving.md); `rtp serve --write-config`
 writes the same as a config for `serve deploy`.
 """
 

@@ -72,3 +72,17 @@ def test_the_link_check_finds_a_broken_link(tmp_path):
     assert _links(page) == ["#top", "missing.md", "p.md#nowhere"]
     assert _anchors(page) == {"top"}
     assert _slug("LoRA fine-tuning (`model.lora`)") == "lora-fine-tuning-modellora"
+
+
+def test_the_readme_runs_what_ci_runs():
+    """.ci/run installs and tests with the README's own commands, letter for letter."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    install = next(line for line in ci if "pip install" in line and " -e " in line)
+    test = next(line for line in ci if "pytest" in line)
+    readme = (ROOT / "README.md").read_text()
+    assert test == "python -m pytest -q tests"
+    assert install in readme and f"&& {test}\n" in readme, (install, test)
+
+
+def test_the_readme_stays_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250

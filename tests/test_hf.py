@@ -678,8 +678,8 @@ def test_counted_positions_with_no_counted_token_and_a_reshaping_forward(tiny):
 
 
 def test_the_finetune_example_validates_on_the_offline_model(tmp_path):
-    """The README's fine-tune commands: the maker's CLI, then the example config (validated
-    here; `rtp train` of it is the quickstart-sized run the README times)."""
+    """docs/hf.md's fine-tune commands: the maker's CLI, then the example config (validated
+    here; `rtp train` of it is the quickstart-sized run the docs show)."""
     out = tmp_path / "tiny-llm"
     made = subprocess.run([sys.executable, "-m", "raytrain_platform.tools.tiny_llm", str(out), "--hidden", "64",
                            "--layers", "2"], capture_output=True, text=True, cwd=ROOT,

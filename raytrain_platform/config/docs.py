@@ -18,9 +18,20 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_platform.config import sections
-from raytrain_platform.config.sections import _SECTIONS
+from raytrain_platform.config.sections import (
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    ScalingConfig,
+    TrainConfig,
+)
 
 __all__ = ["field_docs", "render", "undocumented"]
+
+# The sections in the order a config file lists them.
+_SECTIONS = {cls.SECTION: cls for cls in (ModelConfig, DataConfig, TrainConfig, ParallelConfig, ScalingConfig,
+                                          RunConfig)}
 
 _INTRO = """\
 # Configuration reference

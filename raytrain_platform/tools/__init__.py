@@ -1,3 +1,3 @@
 """Developer tools run outside training: offline makers of small artifacts for tests,
-examples and the README (`tiny_llm`: model, tokenizer, instruction data; nothing is
+examples and the docs (`tiny_llm`: model, tokenizer, instruction data; nothing is
 downloaded) and checks of the platform's models against real runs."""

@@ -1,6 +1,6 @@
 """Offline makers of a tiny Hugging Face causal LM, its tokenizer and instruction data.
 
-Tests, examples and the README quickstart need a real model folder (config, sharded
+Tests, examples and the fine-tune of docs/hf.md need a real model folder (config, sharded
 safetensors, tokenizer with a chat template) and real instruction text, on machines
 that must never download from a model hub. Everything here is built from the Python
 standard library's own sources, which every machine has: a byte-level BPE trained on
