@@ -77,9 +77,12 @@ def undocumented() -> list[str]:
 
 
 def _default(f: dataclasses.Field[Any]) -> str:
-    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
         return "required"
-    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
     if value is None:
         return "`null`"
     if isinstance(value, bool):
