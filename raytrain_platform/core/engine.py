@@ -19,7 +19,7 @@ import itertools
 import time
 from pathlib import Path
 from types import EllipsisType
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -97,6 +97,11 @@ class Engine:
         # train.logits counted: the output head runs on the counted tokens only (core/counted.py)
         counted = (self.task.name == "lm" and t.logits == "counted" and self.wrapped.pipeline is None)
         self.head = self.family.output_head(self.wrapped.base) if counted else None
+        # A mixture of experts' router load-balancing loss, when its config asks for it:
+        # weighted into what backward sees, logged apart from the loss (`aux_loss`).
+        self.aux_coef = self.family.aux_loss_coef(self.cfg.model.kwargs)
+        self._aux_sum = torch.zeros((), device=env.device)  # unweighted, since the last report
+        self._aux_count = 0
 
     # ------------------------------------------------------------ state
 
@@ -172,8 +177,20 @@ class Engine:
             with self.autocast, counted_positions(self._head_for(batch), targets, rows) as kept:
                 outputs = self.wrapped.module(inputs)
                 loss = self.task.loss_sum(outputs, kept.targets(self.task.logits(outputs))) * scale
-            loss.backward()
+            aux = self._aux_loss(outputs)
+            (loss if aux is None else loss + aux).backward()
         return loss.detach()
+
+    def _aux_loss(self, outputs: Any) -> torch.Tensor | None:
+        """The auxiliary loss term of one micro-batch for backward: the model's own
+        ``aux_loss`` times its coefficient, over the step's micro-batches (each data-
+        parallel rank's gradients are then averaged as the loss's are); None without one."""
+        raw = getattr(outputs, "aux_loss", None) if self.aux_coef else None
+        if raw is None:
+            return None
+        self._aux_sum += raw.detach().float()
+        self._aux_count += 1
+        return raw * (self.aux_coef / self.cfg.train.grad_accum_steps)
 
     def optimizer_step(self, loss_sum: torch.Tensor | None = None, units: int = 0) -> float:
         """Clip, check the step is finite (`NonFiniteGuard`: stop, or skip the update and
@@ -381,6 +398,12 @@ class Engine:
         }
         if self.task.name == "lm":
             metrics["tokens_per_s"] = window["units"] / copies / elapsed
+        if self.aux_coef:  # the mean over the window's micro-batches and ranks (TP/PP copies alike)
+            total = all_reduce_sum(torch.stack([self._aux_sum, torch.tensor(float(self._aux_count),
+                                                                            device=self.env.device)]))
+            metrics["aux_loss"] = float(total[0]) / max(float(total[1]), 1.0)
+            self._aux_sum.zero_()
+            self._aux_count = 0
         metrics.update(self._memory or {})
         if self.env.device.type == "cuda":
             metrics["peak_mem_bytes"] = torch.cuda.max_memory_allocated(self.env.device)

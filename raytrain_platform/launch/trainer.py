@@ -86,6 +86,8 @@ def _warn_if_inside_the_jobs_copy(storage_path: str) -> None:
 
 def format_progress(m: dict, total: int) -> str:
     parts = [f"step {m['step']:>5}/{total}", f"epoch {m['epoch']}", f"loss {m['loss']:.4f}"]
+    if "aux_loss" in m:  # a mixture of experts' router load-balancing loss (unweighted)
+        parts.append(f"aux_loss {m['aux_loss']:.4f}")
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f}")
         if "val_perplexity" in m:

@@ -188,6 +188,12 @@ class ModelFamily:
         """The logits of a forward's output (a tensor, or an output with ``.logits``)."""
         return logits_of(output, self.name)
 
+    def aux_loss_coef(self, kwargs: dict) -> float:
+        """The weight of the auxiliary loss the model's forward returns as ``aux_loss``
+        (a Hugging Face-style output: a mixture of experts' router load-balancing loss),
+        added to the training loss; 0.0 (the default) when there is none."""
+        return 0.0
+
     def output_head(self, model: "nn.Module") -> "nn.Module | None":
         """The module that turns the final hidden states ``(B, T, hidden)`` into the
         logits, when the model's forward returns its result as it is (any

@@ -196,6 +196,14 @@ class HFFamily(ModelFamily):
                               f"{config.model_type!r} has no AutoModelForCausalLM class)")
         return config
 
+    def aux_loss_coef(self, kwargs: dict) -> float:
+        """``router_aux_loss_coef`` when the config asks the forward for its router's
+        load-balancing loss (``output_router_logits``, as transformers' own loss counts it)."""
+        config = self.auto_config(kwargs)
+        if not getattr(config, "output_router_logits", False):
+            return 0.0
+        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
     # ---- the module --------------------------------------------------------------------------
     def build(self, kwargs: dict, *, device: "str | torch.device | None" = None) -> "nn.Module":
         """The architecture from ``config.json``, initialised by transformers (seeded by the
