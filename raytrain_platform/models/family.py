@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
     from raytrain_platform.models.shapes import ModelShape
 
-__all__ = ["ConvertedWeight", "ModelFamily", "PipelineLayout", "ServingSpec", "TASKS", "check_stage_counts", "find_blocks", "logits_of"]
+__all__ = ["ConvertedWeight", "ModelFamily", "PipelineLayout", "ServingSpec", "TASKS", "check_stage_counts",
+           "find_blocks", "logits_of"]
 
 TASKS = ("classification", "regression", "lm")
 

@@ -64,8 +64,8 @@ _KEYS = {"path": None, "init": "pretrained", "dtype": "float32", "attn_implement
 _DTYPES = ("float32", "bfloat16", "float16")
 # transformers' names; None: the one transformers picks for the architecture (sdpa, or
 # eager where the architecture has no sdpa path: Gemma 2).
-ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2")
-FLASH = "flash_attention_2"
+_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2")
+_FLASH = "flash_attention_2"
 # Decoders whose layers are self_attn.{q,k,v,o}_proj + mlp.{gate,up,down}_proj (the TP plan's
 # names) and whose forward models/hf_pipeline.py reproduces stage by stage.
 LLAMA_STYLE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -191,13 +191,13 @@ class HFFamily(ModelFamily):
     def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: str | None) -> None:
         config = self.auto_config(kwargs)
         attention = kwargs.get("attn_implementation")
-        if attention is not None and attention != FLASH:  # flash: its package is checked, the GPU by the job
+        if attention is not None and attention != _FLASH:  # flash: its package is checked, the GPU by the job
             _check_supported_attention(config, attention)
 
     def check_devices(self, kwargs: dict, *, use_gpu: bool) -> None:
-        if kwargs.get("attn_implementation") == FLASH and not use_gpu:
-            raise ConfigError("model.kwargs.attn_implementation", FLASH, f"one of {[None, *ATTENTION[:3]]} when "
-                              "scaling.use_gpu is false (flash attention runs on CUDA GPUs only)")
+        if kwargs.get("attn_implementation") == _FLASH and not use_gpu:
+            raise ConfigError("model.kwargs.attn_implementation", _FLASH, "null, 'eager', 'sdpa' or 'flex_attention' "
+                              "when scaling.use_gpu is false (flash attention runs on CUDA GPUs only)")
 
     def auto_config(self, kwargs: dict) -> Any:
         """transformers' config object; unknown or non-causal architectures refused."""
@@ -353,10 +353,10 @@ class HFFamily(ModelFamily):
 def _check_attention(value: Any) -> None:
     """`ConfigError` for an attention implementation transformers does not have here
     (flash attention: also without its package)."""
-    if value is not None and value not in ATTENTION:
-        raise ConfigError("model.kwargs.attn_implementation", value, f"one of {list(ATTENTION)}, or null for "
+    if value is not None and value not in _ATTENTION:
+        raise ConfigError("model.kwargs.attn_implementation", value, f"one of {list(_ATTENTION)}, or null for "
                           "the architecture's default")
-    if value == FLASH:
+    if value == _FLASH:
         import importlib.util
 
         if importlib.util.find_spec("flash_attn") is None:
