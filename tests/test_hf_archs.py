@@ -75,6 +75,19 @@ def test_meta_build_and_sliced_read_give_from_pretrained_logits(archs, arch):
     torch.testing.assert_close(model(_ids()).logits, ref(_ids()).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe"])
+@torch.no_grad()
+def test_a_bfloat16_build_gives_from_pretrained_bfloat16_logits(archs, arch):
+    """In bfloat16 too: the float32 rotary buffers and Gemma's embed_scale as transformers
+    keeps them, the fused experts cast after conversion."""
+    from transformers import AutoModelForCausalLM
+
+    model = _load(archs[arch], dtype="bfloat16")
+    ref = AutoModelForCausalLM.from_pretrained(str(archs[arch]), local_files_only=True, dtype=torch.bfloat16).eval()
+    assert {n: b.dtype for n, b in model.named_buffers()} == {n: b.dtype for n, b in ref.named_buffers()}
+    torch.testing.assert_close(model(_ids()).logits, ref(_ids()).logits, rtol=0, atol=0)
+
+
 def test_default_attention_is_the_architectures_and_can_be_named(archs):
     """Gemma 2 has no sdpa path: its default is eager (it used to be forced to sdpa)."""
     from raytrain_platform.models import get_family
