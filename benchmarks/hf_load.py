@@ -4,7 +4,13 @@ ranks, against loading the whole model in one process. Goal (issue 17): each ran
 peak <= 0.6x the one-process peak.
 
     python benchmarks/hf_load.py                      # writes a 311M Llama once, then measures
-    python benchmarks/hf_load.py --smoke              # a tiny model, one repeat (what the tests run)
+    python benchmarks/hf_load.py --moe                # a 308M Qwen3-MoE (8 experts): hf_load.moe.json
+    python benchmarks/hf_load.py --smoke [--moe]      # a tiny model, one repeat (what the tests run)
+
+A mixture of experts' checkpoint holds one tensor per expert, which transformers fuses
+into one per layer while loading (models/hf_weights.py): a rank builds each fused tensor
+whole from its experts, then keeps its slice. The MoE has no pipeline split (Llama-style
+decoders only), so no ``pp2`` side.
 
 Sides, each in a fresh process, interleaved over repeats:
 
@@ -45,6 +51,13 @@ BIG = dict(hidden_size=1024, num_layers=22, num_heads=16, num_kv_heads=4, interm
            vocab_size=32000, max_position_embeddings=2048)  # 311M parameters (untied head)
 SMOKE = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
              vocab_size=512, max_position_embeddings=128)
+# transformers' Qwen3MoeConfig keywords: 16 layers of 8 experts (2 per token), 308M parameters
+BIG_MOE = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+               moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+               intermediate_size=2816, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
+SMOKE_MOE = dict(BIG_MOE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, moe_intermediate_size=32, num_experts=4, intermediate_size=128, vocab_size=512,
+                 max_position_embeddings=128)
 
 
 def _status(field: str) -> int:
@@ -128,33 +141,47 @@ def _run_side(side: str, model_dir: str) -> dict:
     return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
 
 
-def ensure_model(directory: Path, sizes: dict) -> Path:
+def ensure_model(directory: Path, sizes: dict, *, moe: bool = False) -> Path:
+    """The benchmark's model in `directory`, written once: a Llama by tools/tiny_llm, or
+    (`moe`) a Qwen3-MoE from transformers' config class (its files hold per-expert tensors)."""
     from raytrain_platform.tools.tiny_llm import make_model
 
     if not (directory / "config.json").is_file():
         t0 = time.perf_counter()
-        make_model(directory, arch="llama", max_shard_size="500MB", **{k: v for k, v in sizes.items()})
+        if moe:
+            import torch
+            from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(Qwen3MoeConfig(**sizes)).save_pretrained(directory,
+                                                                                       max_shard_size="500MB")
+        else:
+            make_model(directory, arch="llama", max_shard_size="500MB", **{k: v for k, v in sizes.items()})
         print(f"wrote {directory} in {time.perf_counter() - t0:.0f}s", flush=True)
     return directory
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default="/tmp/rtp-hf-load/llama-311m")
+    p.add_argument("--dir", default=None, help="default /tmp/rtp-hf-load/llama-311m (--moe: qwen3-moe-308m)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--moe", action="store_true", help="a Qwen3-MoE (fused experts) instead of a Llama")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "hf_load.json"))
+    p.add_argument("--out", default=None, help="default benchmarks/hf_load.json (--moe: hf_load.moe.json)")
     args = p.parse_args(argv)
     if args.worker:
         result = worker(args.worker, args.dir)
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(result), flush=True)
         return 0
-    sizes = SMOKE if args.smoke else BIG
-    model_dir = ensure_model(Path(args.dir + ("-smoke" if args.smoke else "")), sizes)
+    sizes = (SMOKE_MOE if args.smoke else BIG_MOE) if args.moe else (SMOKE if args.smoke else BIG)
+    directory = args.dir or ("/tmp/rtp-hf-load/" + ("qwen3-moe-308m" if args.moe else "llama-311m"))
+    model_dir = ensure_model(Path(directory + ("-smoke" if args.smoke else "")), sizes, moe=args.moe)
+    out = args.out or str(ROOT / "benchmarks" / ("hf_load.moe.json" if args.moe else "hf_load.json"))
     repeats = 1 if args.smoke else args.repeats
-    runs: dict[str, list[dict]] = {s: [] for s in ("fsdp2", "pp2", "one", "from_pretrained")}
+    sides = ("fsdp2", "one", "from_pretrained") if args.moe else ("fsdp2", "pp2", "one", "from_pretrained")
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
     for i in range(repeats):
         for side in runs:
             r = _run_side(side, str(model_dir))
@@ -162,26 +189,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"repeat {i + 1}/{repeats} {side}: peak per rank "
                   f"{[round(x['peak_bytes'] / 2**20) for x in r['ranks']]} MiB, {r['seconds']:.1f}s "
                   f"(load {load_avg():.1f})", flush=True)
-    one_peak = statistics.median([r["ranks"][0]["peak_bytes"] for r in runs["one"]])
-    fsdp_peak = statistics.median([max(x["peak_bytes"] for x in r["ranks"]) for r in runs["fsdp2"]])
-    pp_peak = statistics.median([max(x["peak_bytes"] for x in r["ranks"]) for r in runs["pp2"]])
-    hf_peak = statistics.median([r["ranks"][0]["peak_bytes"] for r in runs["from_pretrained"]])
+    peak = {s: statistics.median([max(x["peak_bytes"] for x in r["ranks"]) for r in runs[s]]) for s in runs}
     sums = {s: runs[s][0]["sum_sq"] for s in runs}
+    sharded = [s for s in ("fsdp2", "pp2") if s in runs]
     summary = {
         **stamp(), "model_dir": str(model_dir), "num_params": runs["one"][0]["num_params"],
-        "one_process_peak_MiB": one_peak / 2**20, "fsdp2_rank_peak_MiB": fsdp_peak / 2**20,
-        "pp2_rank_peak_MiB": pp_peak / 2**20,
-        "from_pretrained_peak_MiB": hf_peak / 2**20, "ratio_fsdp2_rank_vs_one": fsdp_peak / one_peak,
-        "ratio_pp2_rank_vs_one": pp_peak / one_peak,
-        "ratio_fsdp2_rank_vs_from_pretrained": fsdp_peak / hf_peak, "goal": "<= 0.6",
+        "one_process_peak_MiB": peak["one"] / 2**20,
+        **{f"{s}_rank_peak_MiB": peak[s] / 2**20 for s in sharded},
+        "from_pretrained_peak_MiB": peak["from_pretrained"] / 2**20,
+        **{f"ratio_{s}_rank_vs_one": peak[s] / peak["one"] for s in sharded},
+        "ratio_fsdp2_rank_vs_from_pretrained": peak["fsdp2"] / peak["from_pretrained"], "goal": "<= 0.6",
         "weights_equal": all(abs(sums[s] - sums["one"]) <= 1e-9 * abs(sums["one"])
-                             for s in ("fsdp2", "pp2", "from_pretrained")),
-        "held_params_per_rank": {s: [x["held_params"] for x in runs[s][0]["ranks"]] for s in ("fsdp2", "pp2")},
+                             for s in (*sharded, "from_pretrained")),
+        "held_params_per_rank": {s: [x["held_params"] for x in runs[s][0]["ranks"]] for s in sharded},
         "load_seconds": {s: statistics.median([r["seconds"] for r in runs[s]]) for s in runs}, "repeats": repeats,
     }
     print(json.dumps(summary, indent=2))
     if not args.smoke:
-        Path(args.out).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2) + "\n")
+        Path(out).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2) + "\n")
     return 0
 
 

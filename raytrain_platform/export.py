@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -160,7 +161,7 @@ def load_hf_directory(path: Path) -> tuple[nn.Module, dict]:
         raise CheckpointError(f"{path}: not a servable Hugging Face model ({exc})") from None
     step_metrics = _read_export_info(path) if (path / EXPORT_INFO_FILE).is_file() else {"step": 0, "metrics": {}}
     model = family.build(kwargs)
-    load_safetensors(model, family.pretrained_files(kwargs) or [])
+    load_safetensors(model, family.pretrained_files(kwargs) or [], sources=partial(family.checkpoint_sources, model))
     model.eval()
     info = {"source": str(path.resolve()), **step_metrics, "sharded_source": False,
             "model": {"name": family.name, "kwargs": kwargs, "task": "lm"},
@@ -327,11 +328,12 @@ def load_lora_base(model: nn.Module, cfg: JobConfig, ckpt: Path) -> None:
     from raytrain_platform.core.adapters import base_identity, check_base
 
     m = cfg.model
-    files = get_family(m.name).pretrained_files(m.kwargs)
+    family = get_family(m.name)
+    files = family.pretrained_files(m.kwargs)
     check_base(str(ckpt), read_state(ckpt).get("base"),
                base_identity(model_name=m.name, kwargs=m.kwargs, seed=cfg.train.seed, files=files))
     if files:
-        load_safetensors(model, files)
+        load_safetensors(model, files, sources=partial(family.checkpoint_sources, model))
 
 
 def read_adapters(ckpt: Path, *, sharded: bool) -> dict[str, torch.Tensor]:

@@ -119,15 +119,18 @@ def test_stream_decode_smoke(tmp_path):
     assert all(r["incremental_us_per_token"] > 0 and r["whole_us_per_token"] > 0 for r in rows), rows
 
 
-@pytest.mark.extended  # four torchrun launches
-def test_hf_load_smoke(tmp_path):
-    """Pretrained weights into FSDP2 shards and into pipeline stages on 2 ranks, against
-    one process: every side holds the checkpoint's weights exactly, each rank about half."""
-    out = _run(["benchmarks/hf_load.py", "--smoke", "--dir", str(tmp_path / "llama")])
+@pytest.mark.extended  # four torchrun launches (three for the MoE)
+@pytest.mark.parametrize("moe", [False, True])
+def test_hf_load_smoke(tmp_path, moe):
+    """Pretrained weights into FSDP2 shards and into pipeline stages (the MoE: FSDP2
+    only, its per-expert tensors fused while loading) on 2 ranks, against one process:
+    every side holds the checkpoint's weights exactly, each rank about half."""
+    out = _run(["benchmarks/hf_load.py", "--smoke", "--dir", str(tmp_path / "model")] + (["--moe"] if moe else []))
     summary = json.loads(out[out.index("{"):])
     assert summary["weights_equal"], summary
     whole = summary["num_params"]
-    for side in ("fsdp2", "pp2"):
+    assert sorted(summary["held_params_per_rank"]) == (["fsdp2"] if moe else ["fsdp2", "pp2"]), summary
+    for side in summary["held_params_per_rank"]:
         held = summary["held_params_per_rank"][side]
         assert len(held) == 2 and all(0.4 * whole < h < 0.6 * whole for h in held), (side, held, whole)
 

@@ -85,12 +85,13 @@ class JobConfig:
                    f"({t.grad_accum_steps}) x data-parallel workers ({dp}) = {product}")
 
     def _check_block_options(self) -> None:
-        """GPU-only FSDP options need GPUs; checkpointing and compiling need repeated
+        """GPU-only FSDP options (and model kwargs, the family says which) need GPUs; checkpointing and compiling need repeated
         blocks; recomputing inside compiled blocks refuses dropout."""
         par, family = self.parallel, get_family(self.model.name)
         for name in ("mixed_precision", "cpu_offload"):
             _check(self.scaling.use_gpu or not getattr(par, name), f"parallel.{name}",
                    getattr(par, name), "false when scaling.use_gpu is false (GPU-only FSDP option)")
+        family.check_devices(self.model.kwargs, use_gpu=self.scaling.use_gpu)
         for name, (verb, _) in par.BLOCK_OPTIONS.items():
             _check(family.has_blocks or not getattr(par, name), f"parallel.{name}", getattr(par, name),
                    f"false for model '{self.model.name}' (it has no repeated blocks to {verb})")

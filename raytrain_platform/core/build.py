@@ -11,6 +11,7 @@ slices of the files: no rank ever holds the whole model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -40,12 +41,14 @@ def fill_pretrained(model: torch.nn.Module, family: ModelFamily, files: list[str
                     tied: list[list[str]] | None = None) -> None:
     """A meta-device `model` (or one pipeline stage of it) given storage on `device`,
     its family's buffers set, then its tensors read from the safetensors `files`: only
-    its own slices under FSDP or TP. ``read=False`` leaves the weights to a checkpoint.
+    its own slices under FSDP or TP, found where its family says (renamed or converted
+    checkpoint keys). ``read=False`` leaves the weights to a checkpoint.
     `tied`: a pipeline's tied ends (`load_safetensors`)."""
     materialize(model, device)
     family.init_buffers(model, device)
     if read:
-        load_safetensors(model, files, source_name=source_name, tied=tied or [])
+        load_safetensors(model, files, source_name=source_name, tied=tied or [],
+                         sources=partial(family.checkpoint_sources, model))
 
 
 def build_model(cfg: JobConfig, env: DistEnv, family: ModelFamily, *, resuming: bool) -> BuiltModel:

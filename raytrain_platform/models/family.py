@@ -22,7 +22,7 @@ anything is imported); no Ray and no torch.distributed anywhere in models/.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from raytrain_platform.errors import ConfigError
 
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
     from raytrain_platform.models.shapes import ModelShape
 
-__all__ = ["ModelFamily", "PipelineLayout", "ServingSpec", "TASKS", "check_stage_counts", "find_blocks", "logits_of"]
+__all__ = ["ConvertedWeight", "ModelFamily", "PipelineLayout", "ServingSpec", "TASKS", "check_stage_counts",
+           "find_blocks", "logits_of"]
 
 TASKS = ("classification", "regression", "lm")
 
@@ -79,6 +80,17 @@ class ServingSpec:
     # is called as model(ids) and re-run over the context for every token.
     kv_cache: bool = False
     stop_token_ids: tuple[int, ...] = ()  # generation ends at any of these (end of sequence)
+
+
+@dataclass(frozen=True)
+class ConvertedWeight:
+    """A tensor a checkpoint stores in another form (a mixture of experts' per-expert
+    tensors, of which the model holds one stacked tensor): built whole from the
+    checkpoint tensors `sources` by `build`, which reads each with the function it is
+    given (checkpoint key -> tensor) and returns every tensor it makes, by model name."""
+
+    sources: tuple[str, ...]
+    build: Callable[[Callable[[str], "torch.Tensor"]], dict[str, "torch.Tensor"]]
 
 
 class ModelFamily:
@@ -134,6 +146,12 @@ class ModelFamily:
     def init_buffers(self, model: "nn.Module", device: "torch.device") -> None:
         """Recompute buffers a meta-device build left empty (after ``to_empty``)."""
 
+    def checkpoint_sources(self, model: "nn.Module", keys: list[str]) -> "dict[str, str | ConvertedWeight] | None":
+        """Where each tensor of `model` (by its state-dict name) is in pretrained files
+        holding `keys`: a key, or a `ConvertedWeight` built from several; None (the
+        default): each under its own name."""
+        return None
+
     def export_hf(self, model: "nn.Module", kwargs: dict, out: str, *, tokenizer: str | None = None,
                   max_shard_size: str = "5GB") -> None:
         """Write `model` as a Hugging Face directory (config, safetensors, tokenizer)."""
@@ -165,6 +183,10 @@ class ModelFamily:
         """What can be checked before Ray starts (user builders: import, kwargs, type).
         `needs_blocks`: the config field set that works on the model's blocks
         (``parallel.activation_checkpointing``, ``parallel.compile``), or None."""
+
+    def check_devices(self, kwargs: dict, *, use_gpu: bool) -> None:
+        """A `ConfigError` when the model's kwargs need a device the job does not use
+        (flash attention without ``scaling.use_gpu``); checked with the config."""
 
     # ---- the module ------------------------------------------------------------------
     def build(self, kwargs: dict, *, device: "str | torch.device | None" = None) -> "nn.Module":

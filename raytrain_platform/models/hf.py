@@ -10,7 +10,13 @@ safetensors with ``model.safetensors.index.json``, the tokenizer files).
   builds from ``config.json`` alone. Pretrained weights go straight into shards: the
   engine builds on the meta device, applies FSDP, TP or the pipeline split, then each
   rank reads only its own slices (or its stages' tensors) of the safetensors files
-  (core/weights.py).
+  (core/weights.py), found as transformers finds them: its renames (GPT-NeoX's
+  ``embed_out``) and conversions (a mixture of experts' per-expert tensors, fused)
+  apply (models/hf_weights.py), and a fused tensor is built whole, then sliced.
+- ``attn_implementation``: null (default) for the one transformers picks for the
+  architecture (sdpa, or eager for Gemma 2), or one of eager, sdpa, flex_attention,
+  flash_attention_2 (CUDA and the flash_attn package); an architecture without the
+  one asked for is refused before Ray.
 - Code from the directory never runs: a ``config.json`` with ``auto_map`` (which
   needs ``trust_remote_code``) is refused, and so are pickled ``pytorch_model.bin``
   weights.
@@ -34,6 +40,7 @@ raytrain_platform.errors.ConfigError: model.kwargs.path = '/no/such/dir': expect
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -42,7 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_platform.errors import ConfigError, first_line
 from raytrain_platform.units import parse_size
-from raytrain_platform.models.family import ModelFamily, PipelineLayout, ServingSpec, check_stage_counts
+from raytrain_platform.models.family import (ConvertedWeight, ModelFamily, PipelineLayout, ServingSpec,
+                                             check_stage_counts)
 
 if TYPE_CHECKING:
     import torch
@@ -52,8 +60,12 @@ if TYPE_CHECKING:
 
 __all__ = ["HFFamily", "LLAMA_STYLE_TYPES"]
 
-_KEYS = {"path": None, "init": "pretrained", "dtype": "float32", "attn_implementation": "sdpa"}
+_KEYS = {"path": None, "init": "pretrained", "dtype": "float32", "attn_implementation": None}
 _DTYPES = ("float32", "bfloat16", "float16")
+# transformers' names; None: the one transformers picks for the architecture (sdpa, or
+# eager where the architecture has no sdpa path: Gemma 2).
+_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2")
+_FLASH = "flash_attention_2"
 # Decoders whose layers are self_attn.{q,k,v,o}_proj + mlp.{gate,up,down}_proj (the TP plan's
 # names) and whose forward models/hf_pipeline.py reproduces stage by stage.
 LLAMA_STYLE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -141,8 +153,7 @@ class HFFamily(ModelFamily):
             raise ConfigError("model.kwargs.init", kw["init"], "one of ['pretrained', 'random']")
         if kw["dtype"] not in _DTYPES:
             raise ConfigError("model.kwargs.dtype", kw["dtype"], f"one of {list(_DTYPES)}")
-        if kw["attn_implementation"] not in ("sdpa", "eager"):
-            raise ConfigError("model.kwargs.attn_implementation", kw["attn_implementation"], "'sdpa' or 'eager'")
+        _check_attention(kw["attn_implementation"])
         config = read_hf_config(kw["path"])
         if "auto_map" in config:
             raise ConfigError("model.kwargs.path", kw["path"], "a model transformers knows without the "
@@ -178,7 +189,15 @@ class HFFamily(ModelFamily):
         return self._config(kwargs).get("vocab_size")
 
     def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: str | None) -> None:
-        self.auto_config(kwargs)
+        config = self.auto_config(kwargs)
+        attention = kwargs.get("attn_implementation")
+        if attention is not None and attention != _FLASH:  # flash: its package is checked, the GPU by the job
+            _check_supported_attention(config, attention)
+
+    def check_devices(self, kwargs: dict, *, use_gpu: bool) -> None:
+        if kwargs.get("attn_implementation") == _FLASH and not use_gpu:
+            raise ConfigError("model.kwargs.attn_implementation", _FLASH, "null, 'eager', 'sdpa' or 'flex_attention' "
+                              "when scaling.use_gpu is false (flash attention runs on CUDA GPUs only)")
 
     def auto_config(self, kwargs: dict) -> Any:
         """transformers' config object; unknown or non-causal architectures refused."""
@@ -214,7 +233,7 @@ class HFFamily(ModelFamily):
         config = self.auto_config(kwargs)
         with torch.device(device or "cpu"):
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, kwargs["dtype"]),
-                                                     attn_implementation=kwargs["attn_implementation"])
+                                                     attn_implementation=kwargs.get("attn_implementation"))
         model.config.use_cache = False  # training: no KV cache in forward
         return model
 
@@ -222,23 +241,18 @@ class HFFamily(ModelFamily):
         return weight_files(kwargs["path"]) if kwargs["init"] == "pretrained" else None
 
     def init_buffers(self, model: "nn.Module", device: "torch.device") -> None:
-        """Recompute non-persistent buffers (rotary ``inv_freq``) after ``to_empty``: they
-        are not in any checkpoint, and a meta build left them empty."""
-        import torch
+        """Set non-persistent buffers (rotary ``inv_freq``, Gemma's ``embed_scale``) after
+        ``to_empty``, with transformers' own ``_init_weights`` (models/hf_weights.py)."""
+        from raytrain_platform.models.hf_weights import init_buffers
 
-        for module in model.modules():
-            own = [n for n, _ in module.named_buffers(recurse=False)
-                   if n in getattr(module, "_non_persistent_buffers_set", set())]
-            if not own:
-                continue
-            config = getattr(module, "config", None)
-            if config is None:
-                raise RuntimeError(f"cannot rebuild buffers {own} of {type(module).__name__} after a "
-                                   "meta-device build")  # a bug for an architecture: say which
-            with torch.device(device):
-                fresh = type(module)(config)
-            for name in own:
-                setattr(module, name, getattr(fresh, name).to(device))
+        init_buffers(model)
+
+    def checkpoint_sources(self, model: "nn.Module", keys: list[str]) -> "dict[str, str | ConvertedWeight]":
+        """Checkpoint keys renamed and converted as transformers loads them (GPT-NeoX's
+        ``embed_out``, fused experts): models/hf_weights.py."""
+        from raytrain_platform.models.hf_weights import checkpoint_sources
+
+        return checkpoint_sources(model.config, keys)
 
     def blocks(self, model: "nn.Module", *, block_class: str | None = None) -> list[tuple[str, "nn.Module"]]:
         from raytrain_platform.models.family import find_blocks
@@ -342,6 +356,35 @@ class HFFamily(ModelFamily):
                                         "max_position_embeddings": config.get("max_position_embeddings")},
                            context_len=int(config.get("max_position_embeddings") or 0),
                            tokenizer=kwargs["path"], kv_cache=True, stop_token_ids=_eos_ids(kwargs["path"], config))
+
+
+def _check_attention(value: Any) -> None:
+    """`ConfigError` for an attention implementation transformers does not have here
+    (flash attention: also without its package)."""
+    if value is not None and value not in _ATTENTION:
+        raise ConfigError("model.kwargs.attn_implementation", value, f"one of {list(_ATTENTION)}, or null for "
+                          "the architecture's default")
+    if value == _FLASH:
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("model.kwargs.attn_implementation", value, "an installed implementation: the "
+                              "flash_attn package is not installed (pip install flash-attn), or sdpa")
+
+
+def _check_supported_attention(config: Any, value: str) -> None:
+    """`ConfigError` when the architecture has no `value` attention path: transformers'
+    own check, on a meta-device build (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=value)
+    except (ValueError, ImportError) as exc:
+        reason = first_line(exc).split(". ")[0]  # "XForCausalLM does not support ... yet"
+        raise ConfigError("model.kwargs.attn_implementation", value, f"an implementation the architecture "
+                          f"supports, or null for its default ({reason})") from None
 
 
 def _eos_ids(path: str, config: dict) -> tuple[int, ...]:
