@@ -30,6 +30,7 @@ LAYERS: list[set[str]] = [
     {"config"},  # typed config and validation (no torch)
     {"parallel"},  # one file per strategy, composed in parallel/compose.py
     {"models"},  # model families
+    {"compat"},  # torch's and Ray's private APIs, each in one place (tests/test_compat.py)
     {"units", "_version"},
     {"errors"},
 ]
