@@ -251,7 +251,7 @@ def train_run(name: str, *, compile_blocks: bool, env, deadline: float) -> dict:
 def _release(device: torch.device) -> None:
     """Free the last run's model, optimizer and compiled graphs before the next run."""
     gc.collect()
-    torch._dynamo.reset()
+    torch.compiler.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

@@ -21,7 +21,8 @@ from raytrain_platform.config import load_config
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.tune.command import load_sweep_file
 from raytrain_platform.tune.space import expand, parse_space
-from raytrain_platform.tune.sweep import _mark_unfit, max_concurrency, plan_trials, sweep, trial_demand
+from raytrain_platform.tune.planning import mark_unfit, max_concurrency, plan_trials, trial_demand
+from raytrain_platform.tune.sweep import sweep
 
 TESTS = Path(__file__).resolve().parent
 
@@ -80,7 +81,7 @@ def test_impossible_combinations_are_reported_before_launch(tmp_path):
     assert trials[("ddp", 2, 8)].error is None and trials[("ddp", 2, 8)].total_steps == 12
     assert trials[("ddp", 2, 8)].config["run"]["storage_path"] == str(tmp_path / "runs")
     # On a 2-CPU cluster a trial needs its driver, its workers and a CPU for Ray Data.
-    fit = _mark_unfit([trials[("ddp", 2, 8)], trials[("ddp", 1, 8)]], {"CPU": 2.0})
+    fit = mark_unfit([trials[("ddp", 2, 8)], trials[("ddp", 1, 8)]], {"CPU": 2.0})
     assert fit[0].error.endswith("it needs 2.01 CPU (driver, workers and Ray Data), the cluster has 2")
     assert fit[1].error is None
     demands = [trial_demand(trials[("ddp", 1, 8)].config)]

@@ -268,49 +268,58 @@ class Engine:
     def _due(self, every: int, last: bool) -> bool:
         return last or (every > 0 and self.state.step % every == 0)
 
+    def _steps(self, source: BatchSource) -> Iterator[tuple[list[Batch], float, float]]:
+        """Whole optimizer steps from the current data position on, epoch after epoch:
+        (micro-batches on the device, when the step began waiting for them, the seconds
+        it waited). Each step's randomness is seeded before its batches are read."""
+        accum = self.cfg.train.grad_accum_steps
+        it = self._epoch_iter(source)
+        while True:
+            _reseed(_seed_for(self.cfg.train.seed, self.state.step, self.data_rank), self.env.device)
+            started = time.perf_counter()
+            batches, data_wait = self._step_batches(it, accum)
+            if len(batches) == accum:
+                yield batches, started, data_wait
+                continue
+            # the epoch's whole steps are done (only whole steps are dealt, so nothing is left)
+            self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
+            it = self._epoch_iter(source)
+
     def fit(self, source: BatchSource, reporter: Reporter, *, log: MetricsLog | None = None) -> dict:
         """Train from the current state to ``total_steps``: whole optimizer steps over each
         epoch's dealt micro-batches, with metrics, evaluation and checkpoints when due."""
-        cfg, accum, total = self.cfg, self.cfg.train.grad_accum_steps, self.job.total_steps
+        cfg, total = self.cfg, self.job.total_steps
         val_cache: list[Batch] | None = None  # read once, at the first evaluation
         last_metrics: dict = {}
         self.wrapped.module.train()
-        if self.state.batches_in_epoch >= self.job.steps_per_epoch * accum:
-            self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
+        if self.state.batches_in_epoch >= self.job.steps_per_epoch * cfg.train.grad_accum_steps:
+            self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0  # resumed at an epoch's end
+        steps = self._steps(source)
         t_prev = time.perf_counter()
         window = {"steps": 0, "wait": 0.0, "units": 0}  # since the last report
         while self.state.step < total:
-            it = self._epoch_iter(source)
-            while self.state.step < total:
-                _reseed(_seed_for(cfg.train.seed, self.state.step, self.data_rank), self.env.device)
-                comm_before, started = self.wrapped.comm.calls, time.perf_counter()
-                batches, data_wait = self._step_batches(it, accum)
-                if len(batches) < accum:  # end of epoch (only whole steps are dealt, so none)
-                    break
-                grad_norm = self.train_step(batches, started=started, data_wait=data_wait)
-                window["steps"] += 1
-                window["wait"] += data_wait
-                window["units"] += self.nonfinite.totals[1]  # the step's, over all ranks
-                last = self.state.step == total
-                if not (self._due(cfg.run.log_every, last) or self._due(cfg.run.eval_every, last)
-                        or self._due(cfg.run.checkpoint_every, last)):
-                    continue
-                metrics = self._step_metrics(time.perf_counter() - t_prev, window, grad_norm,
-                                             self.wrapped.comm.calls - comm_before)
-                if self._due(cfg.run.eval_every, last) and self.job.data.num_val:
-                    t_eval = time.perf_counter()
-                    if val_cache is None:
-                        val_cache = source.val_batches(cfg.run.eval_batches)
-                    metrics.update(self.evaluate(val_cache))
-                    # the first evaluation also reads the validation batches
-                    metrics["eval_s"] = time.perf_counter() - t_eval
-                self._publish(metrics, reporter, log, checkpoint=self._due(cfg.run.checkpoint_every, last))
-                last_metrics = metrics
-                t_prev = time.perf_counter()
-                window = {"steps": 0, "wait": 0.0, "units": 0}
-            else:
-                break
-            self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
+            comm_before = self.wrapped.comm.calls
+            batches, started, data_wait = next(steps)
+            grad_norm = self.train_step(batches, started=started, data_wait=data_wait)
+            window["steps"] += 1
+            window["wait"] += data_wait
+            window["units"] += self.nonfinite.totals[1]  # the step's, over all ranks
+            last = self.state.step == total
+            if not (self._due(cfg.run.log_every, last) or self._due(cfg.run.eval_every, last)
+                    or self._due(cfg.run.checkpoint_every, last)):
+                continue
+            metrics = self._step_metrics(time.perf_counter() - t_prev, window, grad_norm,
+                                         self.wrapped.comm.calls - comm_before)
+            if self._due(cfg.run.eval_every, last) and self.job.data.num_val:
+                t_eval = time.perf_counter()
+                if val_cache is None:
+                    val_cache = source.val_batches(cfg.run.eval_batches)
+                metrics.update(self.evaluate(val_cache))
+                metrics["eval_s"] = time.perf_counter() - t_eval  # the first one also reads the batches
+            self._publish(metrics, reporter, log, checkpoint=self._due(cfg.run.checkpoint_every, last))
+            last_metrics = metrics
+            t_prev = time.perf_counter()
+            window = {"steps": 0, "wait": 0.0, "units": 0}
         if self.profiler:
             self.profiler.finish(rank=self.env.rank, world_size=self.env.world_size,
                                  data_rank=self.data_rank, run_dir=self.run_dir)

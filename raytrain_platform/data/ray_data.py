@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from raytrain_platform.data import jsonl, parquet, sources
+from raytrain_platform.compat.ray_private import limit_streaming_blocks
 from raytrain_platform.data.sources import DataInfo, SourceSpec
 from raytrain_platform.parallel.dims import ParallelDims
 
@@ -124,8 +125,7 @@ def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
         # block once it holds more than this many bytes and slices any of 1.5x or more:
         # a chunk is 1.25x it.
         ds.context.target_max_block_size = _chunk_bytes(rows, spec.seq_len) * 4 // 5
-        if hasattr(ds.context, "_max_num_blocks_in_streaming_gen_buffer"):
-            ds.context._max_num_blocks_in_streaming_gen_buffer = _TOKEN_BLOCKS_AHEAD
+        limit_streaming_blocks(ds.context, _TOKEN_BLOCKS_AHEAD)
         return ds
     if spec.kind == "text":
         files = sources.text_files(spec)

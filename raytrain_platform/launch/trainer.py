@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from raytrain_platform.compat.ray_private import JOB_CONFIG_ENV
 from raytrain_platform.config import JobConfig, load_config
 from raytrain_platform.plan.auto import Hardware, cpu_hardware, has_auto
 from raytrain_platform.parallel.dims import ParallelDims
@@ -164,7 +165,7 @@ def _submitted_env_vars() -> set[str]:
 def _submitted_runtime_env() -> dict:
     """A submitted job's runtime_env, as Ray hands it to the job's driver (empty outside
     a job, or where it is not a mapping: `ray.init` judges that)."""
-    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # ray._private.runtime_env.constants
+    raw = os.environ.get(JOB_CONFIG_ENV)
     try:
         env = (json.loads(raw) or {}).get("runtime_env") if raw else None
     except (ValueError, AttributeError):
@@ -250,7 +251,7 @@ def _tp_label_selector(cfg: JobConfig, per_worker: dict[str, float],
     if tp_size == 1:
         return None
     import ray
-    from ray._private.state import available_resources_per_node  # as ray.util.tpu reads it
+    from raytrain_platform.compat.ray_private import available_resources_per_node
 
     from raytrain_platform.launch.placement import describe_tp_placement, place_tp_groups
 

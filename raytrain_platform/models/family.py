@@ -93,6 +93,9 @@ class ConvertedWeight:
     build: Callable[[Callable[[str], "torch.Tensor"]], dict[str, "torch.Tensor"]]
 
 
+_NAMED_FAMILIES: list[type["ModelFamily"]] = []  # filled as the subclasses are defined
+
+
 class ModelFamily:
     """Base class of the families. Subclasses set `name` and override what they have;
     the defaults describe a model with no parallel plan, no planner shape and the
@@ -104,6 +107,17 @@ class ModelFamily:
     has_blocks: bool = True
     # Whether its TP plan runs with parallel.sequence_parallel (sequence-sharded norms).
     sequence_parallel: bool = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name"):  # a family named by its class (gpt, hf, mlp; not a user builder)
+            _NAMED_FAMILIES.append(cls)
+
+    @staticmethod
+    def _families_with(method: str) -> str:
+        """The named families that override `method`, for a message (family.py imports no registry)."""
+        return ", ".join(sorted(c.name for c in _NAMED_FAMILIES
+                                if getattr(c, method) is not getattr(ModelFamily, method)))
 
     # ---- config: kwargs, task, sequence length ------------------------------------
     def resolve_kwargs(self, kwargs: Any) -> dict:
@@ -169,15 +183,7 @@ class ModelFamily:
         if tp * pp > 1:
             field_, value = ("parallel.tp_size", tp) if tp > 1 else ("parallel.pp_size", pp)
             raise ConfigError(field_, value, f"1 for model '{self.name}' (tensor/pipeline parallel plans "
-                              f"exist for {self._families_with_plans()})")
-
-    @staticmethod
-    def _families_with_plans() -> str:
-        from raytrain_platform.models.registry import FAMILIES
-
-        names = [n for n, f in FAMILIES.items()
-                 if type(f).check_model_parallel is not ModelFamily.check_model_parallel]
-        return ", ".join(names)
+                              f"exist for {self._families_with('check_model_parallel')})")
 
     def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: str | None) -> None:
         """What can be checked before Ray starts (user builders: import, kwargs, type).
@@ -243,19 +249,13 @@ class ModelFamily:
         """The model as `rtp plan` sees it at `seq_len` tokens per sample (default: the
         family's own); `ConfigError` when the family cannot say."""
         raise ConfigError("model.name", self.name, "a model family with a planner shape "
-                          f"({self._families_with_shapes()}); for another model use rtp plan "
+                          f"({self._families_with('shape')}); for another model use rtp plan "
                           "--params/--layers/--hidden/--seq-len")
 
     def planner_kwargs(self, *, layers: int | None, hidden: int | None, heads: int | None,
                        seq_len: int | None) -> dict:
         """kwargs for ``rtp plan --model NAME --layers/--hidden/--heads/--seq-len``."""
         raise ConfigError("--model", self.name, "a family with planner sizes")
-
-    @staticmethod
-    def _families_with_shapes() -> str:
-        from raytrain_platform.models.registry import FAMILIES
-
-        return ", ".join(n for n, f in FAMILIES.items() if type(f).shape is not ModelFamily.shape)
 
     def export_state_dict(self, state: dict[str, "torch.Tensor"], kwargs: dict) -> dict[str, "torch.Tensor"]:
         """The checkpoint's tensors under the names an export uses (default: as trained)."""

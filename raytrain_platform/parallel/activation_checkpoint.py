@@ -11,7 +11,7 @@ are not wrapped: each is compiled to recompute inside its own graph
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from raytrain_platform.compat.torch_private import checkpoint_wrapper
 
 __all__ = ["apply_activation_checkpointing"]
 

@@ -38,8 +38,9 @@ import functools
 from collections.abc import Sequence
 
 import torch
-import torch._functorch.config
 from torch import nn
+
+from raytrain_platform.compat.torch_private import dynamo_config, functorch_config, has_triton, inductor_cxx_check
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.parallel.registry import recompute_dropout_error
@@ -51,20 +52,12 @@ def require_compiler(device: torch.device) -> None:
     """A clear error when this process cannot compile for `device`: no C++ compiler on a
     CPU (TorchInductor's own search: ``$CXX``, else ``g++``), no Triton on a GPU."""
     if device.type == "cpu":
-        from torch._inductor import config as inductor_config
-        from torch._inductor.cpp_builder import get_cpp_compiler
-        from torch._inductor.exc import InvalidCxxCompiler
-
-        try:
-            get_cpp_compiler()
-        except InvalidCxxCompiler:
-            tried = [c for c in inductor_config.cpp.cxx if c]
+        tried, found = inductor_cxx_check()
+        if not found:
             raise ConfigError("parallel.compile", True, "false on a CPU worker without a C++ compiler "
                               f"(TorchInductor builds C++ there and found none of {tried}: install g++, "
                               "or set CXX to one)") from None
     elif device.type == "cuda":
-        from torch.utils._triton import has_triton
-
         if not has_triton():
             raise ConfigError("parallel.compile", True, "false on a GPU worker without Triton "
                               "(TorchInductor's GPU kernels; pip install triton)")
@@ -96,7 +89,7 @@ def apply_compile(blocks: Sequence[tuple[str, nn.Module]], *, device: torch.devi
     # no_grad) and each new shape takes an entry, and a block's guards may hold its own
     # attributes: room for several entries per block, or later blocks would run eager
     # past the default limit (8). Only ever raised. (torch < 2.7 names: *cache_size_limit.)
-    config = torch._dynamo.config
+    config = dynamo_config()
     for new, old, floor in (("recompile_limit", "cache_size_limit", max(64, 4 * len(blocks))),
                             ("accumulated_recompile_limit", "accumulated_cache_size_limit", 8 * len(blocks))):
         name = new if hasattr(config, new) else old
@@ -143,7 +136,7 @@ def _compile_recomputing(block: nn.Module) -> None:
         return forward(*args, **kwargs)
 
     compiled = torch.compile(forward_recomputing)
-    config = torch._functorch.config
+    config = functorch_config()
 
     @functools.wraps(forward_recomputing)
     def call(*args, **kwargs):

@@ -32,17 +32,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-try:  # private in torch 2.13: without it, runs still train, only the count stays 0
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-except ImportError:  # pragma: no cover - older/newer torch
-    DefaultReduceScatter = None  # type: ignore[assignment,misc]  # the optional-import pattern
-
+from raytrain_platform.compat.torch_private import default_reduce_scatter
 from raytrain_platform.parallel.base import CommCounter, Parallelized
 
 __all__ = ["apply_fsdp"]
 
 
-class _CountingReduceScatter(DefaultReduceScatter or object):  # type: ignore[misc]
+class _CountingReduceScatter(default_reduce_scatter()):  # type: ignore[misc]
     """FSDP's default reduce-scatter, counted each time it is issued."""
 
     def __init__(self, counter: CommCounter):
@@ -77,8 +73,7 @@ def apply_fsdp(model: nn.Module, *, env, cfg, mesh: DeviceMesh | None = None,
     fully_shard(model, **options)
     counter = CommCounter()
     for module in model.modules():
-        if DefaultReduceScatter is not None and isinstance(module, FSDPModule) and hasattr(
-                module, "set_custom_reduce_scatter"):
+        if isinstance(module, FSDPModule):
             module.set_custom_reduce_scatter(_CountingReduceScatter(counter))
     root: FSDPModule = model  # type: ignore[assignment]
 

@@ -18,7 +18,6 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
@@ -67,9 +66,11 @@ def allreduce_grads(model: nn.Module, group: dist.ProcessGroup | None = None) ->
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return
-    flat = _flatten_dense_tensors(grads)
+    flat = torch.nn.utils.parameters_to_vector(grads)
     dist.all_reduce(flat, group=group)
     flat /= dist.get_world_size(group)
     with torch.no_grad():
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

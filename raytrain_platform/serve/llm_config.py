@@ -16,7 +16,7 @@ which imports without vLLM) for every model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.serve.options import ServeOptions
@@ -63,13 +63,9 @@ def validate_llm_app_config(config: dict[str, Any]) -> None:
     """Checks `config` with Ray's schemas: the Serve config, then each ``LLMConfig``."""
     from ray.serve.schema import ServeDeploySchema
 
-    if TYPE_CHECKING:
-        from ray.llm._internal.serve.core.configs.llm_config import LLMConfig as _BaseLLMConfig
-    LLMConfig: type[_BaseLLMConfig]  # the public class or its base
-    try:  # the public class needs vLLM (or SGLang) installed to import
-        from ray.serve.llm import LLMConfig
-    except ImportError:
-        from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+    from raytrain_platform.compat.ray_private import llm_config_class
+
+    LLMConfig: Any = llm_config_class()  # the public class needs vLLM (or SGLang) installed to import
 
     ServeDeploySchema.model_validate(config)
     for app in config["applications"]:

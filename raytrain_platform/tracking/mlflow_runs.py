@@ -34,6 +34,7 @@ __all__ = [
     "TrackingUnavailable",
     "end_if_running",
     "flatten_config",
+    "now_ms",
     "git_commit",
     "mlflow_client",
     "open_mlflow_run",
@@ -188,7 +189,7 @@ class TrackedRun:
             return
         from mlflow.entities import Metric, RunTag
 
-        now = _now_ms()
+        now = now_ms()
         with self._guard():
             self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in
                                                         (metrics or {}).items()],
@@ -213,7 +214,8 @@ class TrackedRun:
         self.finish("FINISHED")
 
 
-def _now_ms() -> int:
+def now_ms() -> int:
+    """Wall-clock milliseconds, MLflow's timestamps."""
     return int(time.time() * 1000)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from raytrain_platform.tracking.mlflow_runs import (
-    _now_ms,
+    now_ms,
     mlflow_client,
     read_state,
     warn_unavailable,
@@ -94,7 +94,7 @@ class MlflowSink:
 
     def log(self, metrics: dict) -> None:
         if not self.failed:
-            self.queue.put((int(metrics["step"]), scalar_metrics(metrics), _now_ms()))
+            self.queue.put((int(metrics["step"]), scalar_metrics(metrics), now_ms()))
 
     def close(self) -> None:
         self.queue.put(None)

@@ -100,9 +100,9 @@ def _placement_group_recorder(run_dir: Path):
     killed with its controller, whose placement group would otherwise stay reserved
     until Ray Train's cleaner actor notices (it needs Ray's state API, which fails when
     several Ray instances share the machine): the sweep releases it (`release_trial`)."""
-    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+    from raytrain_platform.compat.ray_private import worker_group_callback
 
-    class PlacementGroupRecorder(WorkerGroupCallback):
+    class PlacementGroupRecorder(worker_group_callback()):  # type: ignore[misc]
         def after_worker_group_start(self, worker_group) -> None:
             handle = worker_group.get_worker_group_state().placement_group_handle
             (run_dir / PLACEMENT_GROUP_FILE).write_text(handle.placement_group.id.hex())
@@ -113,8 +113,9 @@ def _placement_group_recorder(run_dir: Path):
 def release_trial(run_dir: str | Path) -> bool:
     """Remove the placement group a stopped trial left reserved; True if there was one."""
     import ray
-    from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    from raytrain_platform.compat.ray_private import placement_group_id
 
     path = Path(run_dir) / PLACEMENT_GROUP_FILE
     if not path.is_file():
@@ -124,7 +125,7 @@ def release_trial(run_dir: str | Path) -> bool:
     state = ray.util.placement_group_table().get(pg_id, {}).get("state")
     if state not in ("CREATED", "PENDING", "RESCHEDULING"):
         return False
-    remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+    remove_placement_group(PlacementGroup(placement_group_id(pg_id)))
     return True
 
 
