@@ -8,8 +8,9 @@ must not import Ray at module level). tests/test_compat.py resolves each entry o
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from raytrain_platform.compat import resolve
 
 __all__ = ["JOB_CONFIG_ENV", "USED", "available_resources_per_node", "limit_streaming_blocks",
            "llm_config_class", "placement_group_id", "resolve", "worker_group_callback"]
@@ -32,18 +33,6 @@ USED: dict[str, str] = {
     "ray.data.context:DataContext.get_current()._max_num_blocks_in_streaming_gen_buffer":
         "how many token blocks a read task runs ahead of training (no public setting)",
 }
-
-
-def resolve(entry: str) -> Any:
-    """The object `entry` of `USED` names ("module:attribute.attribute", where an
-    attribute ending in "()" is called: an instance's attribute)."""
-    module, _, path = entry.partition(":")
-    found: Any = importlib.import_module(module)
-    for attr in path.split("."):
-        found = getattr(found, attr.removesuffix("()"))
-        if attr.endswith("()"):
-            found = found()
-    return found
 
 
 def available_resources_per_node() -> dict[str, dict[str, float]]:

@@ -8,10 +8,12 @@ torch's public API (``torch.nn.utils.get_total_norm``, ``parameters_to_vector``,
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-__all__ = ["USED", "checkpoint_wrapper", "default_reduce_scatter", "dynamo_config", "functorch_config",
+from raytrain_platform.compat import resolve
+
+__all__ = ["USED", "checkpoint_wrapper", "non_persistent_buffers", "post_accumulate_grad_hooks",
+           "set_post_accumulate_grad_hooks", "default_reduce_scatter", "dynamo_config", "functorch_config",
            "inductor_cxx_check", "local_shape_and_offset", "has_triton", "resolve"]
 
 # "module:attribute" (or a module) -> why it is used and has no public equivalent.
@@ -29,14 +31,30 @@ USED: dict[str, str] = {
     "torch._inductor.exc:InvalidCxxCompiler": "the error TorchInductor raises for a missing C++ compiler",
     "torch._inductor.config": "the C++ compilers TorchInductor looks for, named in that error",
     "torch.utils._triton:has_triton": "a clear error before Ray when a GPU worker has no Triton",
+    "torch:Tensor._post_accumulate_grad_hooks":
+        "the hooks registered on a meta-device parameter (TP's, keeping an embedding's own rows of its "
+        "gradient), registered again after to_empty gives the parameter new storage",
+    "torch.nn:Module()._non_persistent_buffers_set":
+        "which buffers a module keeps out of its state_dict (rotary inv_freq, Gemma's embed_scale): rebuilt "
+        "after a meta-device build, never read from a checkpoint",
 }
 
 
-def resolve(entry: str) -> Any:
-    """The object `entry` of `USED` names ("module" or "module:attribute")."""
-    module, _, attr = entry.partition(":")
-    found = importlib.import_module(module)
-    return getattr(found, attr) if attr else found
+def post_accumulate_grad_hooks(tensor: Any) -> list:
+    """The post-accumulate-grad hooks registered on `tensor`, in order."""
+    return list((tensor._post_accumulate_grad_hooks or {}).values())
+
+
+def set_post_accumulate_grad_hooks(tensor: Any, hooks: list) -> None:
+    """`tensor`'s post-accumulate-grad hooks replaced by `hooks` (registered in order)."""
+    tensor._post_accumulate_grad_hooks = None
+    for hook in hooks:
+        tensor.register_post_accumulate_grad_hook(hook)
+
+
+def non_persistent_buffers(module: Any) -> set[str]:
+    """The names of `module`'s own buffers left out of its state_dict."""
+    return set(module._non_persistent_buffers_set)
 
 
 def checkpoint_wrapper(module: Any, **kwargs: Any) -> Any:

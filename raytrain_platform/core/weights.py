@@ -21,6 +21,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from raytrain_platform.compat.torch_private import (local_shape_and_offset, post_accumulate_grad_hooks,
+                                                     set_post_accumulate_grad_hooks)
 from raytrain_platform.errors import CheckpointError
 from raytrain_platform.models.family import ConvertedWeight
 from raytrain_platform.parallel.ties import retie, shared_parameters
@@ -38,15 +40,12 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     held the whole vocabulary's gradient. (Handles returned by the first registration
     no longer remove them; nothing here removes one.)"""
     tied = shared_parameters(model)
-    hooks = {name: list((p._post_accumulate_grad_hooks or {}).values())
-             for name, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)}
+    hooks = {name: found for name, p in model.named_parameters() if (found := post_accumulate_grad_hooks(p))}
     model.to_empty(device=device)
     retie(model, tied)
     for name, p in model.named_parameters():
         if name in hooks:  # a new Parameter, or new storage under the old one's hook dict
-            p._post_accumulate_grad_hooks = None  # type: ignore[assignment]
-            for hook in hooks[name]:
-                p.register_post_accumulate_grad_hook(hook)
+            set_post_accumulate_grad_hooks(p, hooks[name])
 
 
 def local_slice(target: torch.Tensor) -> tuple[slice, ...] | None:
@@ -55,9 +54,7 @@ def local_slice(target: torch.Tensor) -> tuple[slice, ...] | None:
 
     if not isinstance(target, DTensor):
         return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    shape, offset = local_shape_and_offset(target.shape, target.device_mesh, target.placements)
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 

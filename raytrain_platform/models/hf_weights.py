@@ -26,6 +26,7 @@ import copy
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
+from raytrain_platform.compat.torch_private import non_persistent_buffers
 from raytrain_platform.errors import CheckpointError, first_line
 from raytrain_platform.models.family import ConvertedWeight
 
@@ -121,13 +122,13 @@ def init_buffers(model: "nn.Module") -> None:
     try:
         with torch.no_grad(), initialization.guard_torch_init_functions():
             for name, module, owner in owned:
-                own = [b for n, b in module.named_buffers(recurse=False) if n in module._non_persistent_buffers_set]
+                own = [b for n, b in module.named_buffers(recurse=False) if n in non_persistent_buffers(module)]
                 for b in own:
                     if b.is_floating_point():
                         b.fill_(float("nan"))  # what `_init_weights` leaves unset stays NaN
                 owner._init_weights(module)
                 unset += [f"{name}.{n}" for n, b in module.named_buffers(recurse=False)
-                          if n in module._non_persistent_buffers_set and b.is_floating_point() and b.isnan().all()]
+                          if n in non_persistent_buffers(module) and b.is_floating_point() and b.isnan().all()]
     finally:
         for t in kept.values():
             del t._is_hf_initialized  # type: ignore[attr-defined]
@@ -146,7 +147,7 @@ def _buffer_owners(model: "nn.Module") -> list[tuple[str, "nn.Module", Any]]:
 
     def walk(module: "nn.Module", name: str, owner: Any) -> None:
         owner = module if isinstance(module, PreTrainedModel) else owner
-        if any(n in module._non_persistent_buffers_set for n, _ in module.named_buffers(recurse=False)):
+        if any(n in non_persistent_buffers(module) for n, _ in module.named_buffers(recurse=False)):
             if owner is None:
                 raise RuntimeError(f"cannot set the buffers of {name or type(module).__name__}: no transformers "
                                    "model holds it")
@@ -162,6 +163,6 @@ def _buffers(model: "nn.Module", *, persistent: bool) -> list[tuple[str, "torch.
     out = []
     for module_name, module in model.named_modules():
         for n, b in module.named_buffers(recurse=False):
-            if (n not in module._non_persistent_buffers_set) == persistent:
+            if (n not in non_persistent_buffers(module)) == persistent:
                 out.append((f"{module_name}.{n}" if module_name else n, b))
     return out

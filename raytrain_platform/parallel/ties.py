@@ -33,10 +33,8 @@ __all__ = ["retie", "shared_parameters"]
 def shared_parameters(model: nn.Module) -> list[list[str]]:
     """The names of each parameter that more than one module holds, in module order."""
     names: dict[int, list[str]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
-            if param is not None:
-                names.setdefault(id(param), []).append(f"{prefix}.{attr}" if prefix else attr)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
     groups = [list(dict.fromkeys(group)) for group in names.values()]
     return [group for group in groups if len(group) > 1]
 
