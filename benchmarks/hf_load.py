@@ -39,7 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ROOT, free_port, load_avg, stamp  # noqa: E402
+from benchmarks.common import (ROOT, free_port, harness_parser, load_avg, out_path, result_meta,  # noqa: E402
+                               stamp, write_result)
 
 BIG = dict(hidden_size=1024, num_layers=22, num_heads=16, num_kv_heads=4, intermediate_size=2816,
            vocab_size=32000, max_position_embeddings=2048)  # 311M parameters (untied head)
@@ -139,12 +140,9 @@ def ensure_model(directory: Path, sizes: dict) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness_parser(__doc__, out=ROOT / "benchmarks" / "hf_load.json")
     p.add_argument("--dir", default="/tmp/rtp-hf-load/llama-311m")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--smoke", action="store_true")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "hf_load.json"))
     args = p.parse_args(argv)
     if args.worker:
         result = worker(args.worker, args.dir)
@@ -153,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = SMOKE if args.smoke else BIG
     model_dir = ensure_model(Path(args.dir + ("-smoke" if args.smoke else "")), sizes)
-    repeats = 1 if args.smoke else args.repeats
+    repeats = 1 if args.smoke else args.repeats or 3
     runs: dict[str, list[dict]] = {s: [] for s in ("fsdp2", "pp2", "one", "from_pretrained")}
     for i in range(repeats):
         for side in runs:
@@ -180,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_seconds": {s: statistics.median([r["seconds"] for r in runs[s]]) for s in runs}, "repeats": repeats,
     }
     print(json.dumps(summary, indent=2))
-    if not args.smoke:
-        Path(args.out).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2) + "\n")
+    write_result({"_meta": result_meta(__file__, argv), "summary": summary, "runs": runs}, out_path(args))
     return 0
 
 
