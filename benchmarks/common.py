@@ -1,9 +1,26 @@
-"""What the benchmark modules share: interleaved repeats, medians, a local Ray, the
-training data. Benchmarks time things; tests only run their ``--smoke`` mode."""
+"""The benchmark harness: what every lasting benchmark shares.
+
+- `interleaved` / `rotated`: each side once per repeat, in turn, so every side sees the
+  same drift of a shared machine; `median` and `compare`: medians, and each side's ratio
+  to a baseline measured in the same run (of the medians, and repeat by repeat).
+- `harness_parser`: ``--smoke`` (tiny sizes, one repeat: what tests/test_benchmarks.py
+  runs), ``--repeats``, ``--out`` (the JSON result) and ``--page``.
+- `finish`: prints the table, writes the JSON result, and with ``--page`` the dated
+  results page ``benchmarks/results/<name>-<date>.md`` (`write_page`: date, exact
+  command and machine: CPU model, cores, GPU, Python, torch, Ray and transformers).
+- `local_ray`, `tabular_data`, `torchrun_core`, `steady`: a local Ray, the training
+  data, the Ray-free core under torchrun, a run's steady-state figures.
+
+Benchmarks time things; tests only run their ``--smoke`` mode."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
+import json
 import os
+import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -13,14 +30,133 @@ from pathlib import Path
 from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 ROW_GROUP_ROWS = 4096  # rows per Parquet row group in the benchmarks' tabular data
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 T = TypeVar("T")
 
-__all__ = ["ROOT", "in_temp_folder", "interleaved", "load_avg", "local_ray", "median", "stamp", "tabular_data",
-           "write_result"]
+__all__ = ["RESULTS", "ROOT", "add_page_arg", "command_line", "compare", "finish", "free_port",
+           "harness_parser", "interleaved", "load_avg", "local_ray", "machine", "machine_line", "median",
+           "out_path", "result_meta", "rotated", "stamp", "steady", "tabular_data", "torchrun_core",
+           "write_page", "write_result"]
+
+
+# ---------------------------------------------------------------- command line and results
+
+
+def harness_parser(doc: str | None, *, out: Path | None = None, page: str | None = None,
+                   repeats: bool = True) -> argparse.ArgumentParser:
+    """A benchmark's parser with the harness's flags: ``--smoke``, ``--repeats`` (unless
+    `repeats` is false), ``--out`` (default `out`; with ``--smoke`` none) and, when the
+    script has a results page (`page`: its name), ``--page``. Scripts add their own flags."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, one repeat: checks the script runs; writes only to --out")
+    if repeats:
+        p.add_argument("--repeats", type=int, default=None, help="interleaved repeats of every side")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"the JSON result (default {_rel(out) if out else 'none'}; with --smoke: none)")
+    p.set_defaults(default_out=out, page_name=page)
+    if page:
+        add_page_arg(p, page)
+    return p
+
+
+def add_page_arg(p: argparse.ArgumentParser, name: str) -> None:
+    """``--page``: also write the dated results page ``benchmarks/results/NAME-DATE.md``."""
+    p.add_argument("--page", action="store_true",
+                   help=f"also write the dated results page benchmarks/results/{name}-DATE.md")
+
+
+def out_path(args: argparse.Namespace) -> Path | None:
+    """Where the JSON result goes: ``--out``, else the script's default unless ``--smoke``."""
+    return args.out or (None if args.smoke else getattr(args, "default_out", None))
+
+
+def command_line(script: str, argv: Sequence[str] | None = None) -> str:
+    """The exact command that ran: ``python benchmarks/SCRIPT ARGS``."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join([f"python benchmarks/{Path(script).name}", *args])
+
+
+def finish(args: argparse.Namespace, result: dict, *, script: str, argv: Sequence[str] | None,
+           title: str, table: str) -> None:
+    """Print `table`; write `result` (with date, command and machine) to `out_path(args)`;
+    with ``--page`` (and without ``--smoke``), the dated results page `title` holding `table`."""
+    print(table)
+    meta = result_meta(script, argv)
+    write_result({"_meta": meta, **result}, out_path(args))
+    if getattr(args, "page", False) and args.smoke:
+        print("--page: not written for a --smoke run (tiny sizes measure nothing)")
+    elif getattr(args, "page", False):
+        write_page(args.page_name, title, table, command=meta["command"])
+
+
+def result_meta(script: str, argv: Sequence[str] | None = None) -> dict:
+    """What a JSON result carries about its run: date, exact command, machine."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "command": command_line(script, argv), "machine": machine()}
+
+
+def machine() -> dict:
+    """What ran the benchmark: CPU model, cores, GPU, and the versions that matter."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = None
+    if shutil.which("nvidia-smi"):  # not through torch: the driver process keeps CUDA uninitialised
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, check=False)
+        names = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+        gpu = f"{len(names)} x {names[0]}" if names else None
+    out = {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)), "gpu": gpu,
+           "python": platform.python_version()}
+    for package in ("torch", "ray", "transformers"):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def machine_line(m: dict | None = None) -> str:
+    """`machine()` in one line, as a results page states it."""
+    m = m or machine()
+    cores = f"{m['cores']} cores" + (f" ({m['usable_cores']} usable)" if m["usable_cores"] != m["cores"] else "")
+    versions = ", ".join(f"{k} {m[k]}" for k in ("python", "torch", "ray", "transformers") if m.get(k))
+    return f"{m['cpu']}, {cores}, {m['gpu'] or 'no GPU'}; {versions}"
+
+
+def write_page(name: str, title: str, body: str, *, command: str, results_dir: Path | None = None,
+               date: str | None = None) -> Path:
+    """The dated results page ``RESULTS_DIR/NAME-DATE.md``: `title`, the date, the exact
+    command and the machine, then `body` (tables; conclusions are written by hand below).
+    A page of the same name and date gets the new run appended, never overwritten."""
+    date = date or time.strftime("%Y-%m-%d")
+    path = (results_dir or RESULTS) / f"{name}-{date}.md"
+    header = f"Date: {date} {time.strftime('%H:%M')}. Command: `{command}`. Machine: {machine_line()}."
+    if path.exists():
+        text = path.read_text().rstrip("\n") + f"\n\n---\n\n{header}\n\n{body.strip()}\n"
+    else:
+        text = f"# {title}\n\n{header}\n\n{body.strip()}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {_rel(path)}")
+    return path
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+# ---------------------------------------------------------------- repeats and medians
 
 
 def interleaved(sides: dict[str, Callable[[int], T]], repeats: int, *, label: str = "") -> dict[str, list[T]]:
@@ -44,7 +180,18 @@ def _short(value) -> str:
 
 
 def median(rows: list[dict], key: str) -> float:
+    """The median of `key` over a side's repeats."""
     return statistics.median(r[key] for r in rows)
+
+
+def compare(runs: dict[str, list[dict]], key: str, baseline: str) -> dict:
+    """Side by side, from one run's interleaved repeats: each side's median of `key`, its
+    ratio to `baseline`'s median, and its ratio repeat by repeat (each repeat against the
+    baseline run beside it, which saw the same minute of the machine)."""
+    med = {side: median(rows, key) for side, rows in runs.items()}
+    return {"median": med, "ratio": {side: v / med[baseline] for side, v in med.items()},
+            "per_repeat": {side: [r[key] / b[key] for r, b in zip(rows, runs[baseline])]
+                           for side, rows in runs.items()}}
 
 
 def load_avg() -> float:
@@ -60,23 +207,12 @@ def stamp() -> dict:
 def write_result(result: dict, out: Path | None) -> None:
     """A benchmark's JSON result to `out` (none: a smoke run without ``--out``)."""
     if out:
-        import json
-
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+        print(f"wrote {_rel(out)}")
 
 
-def in_temp_folder(script: str, argv: Sequence[str] | None, measure: Callable[[Path], dict]) -> dict:
-    """`measure(folder)` in a fresh temporary folder, removed after; its result stamped with
-    the command that ran it (``python benchmarks/SCRIPT ARGS``) and the seconds it took."""
-    import tempfile
-
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f"rtp-{Path(script).stem.replace('_', '-')}-") as tmp:
-        result = measure(Path(tmp))
-    args = sys.argv[1:] if argv is None else list(argv)
-    return {**result, "command": " ".join([f"python benchmarks/{script}", *args]),
-            "seconds": round(time.perf_counter() - t0, 1)}
+# ---------------------------------------------------------------- what the benchmarks run
 
 
 def free_port() -> int:
@@ -102,8 +238,6 @@ def torchrun_core(nproc: int, config: Path, overrides: Sequence[str] = (), *, la
     """Train `config` on the Ray-free core: ``torchrun --nproc-per-node N -m
     raytrain_platform.core --config CONFIG [--set K=V ...]`` on 127.0.0.1, one torch
     thread per rank; raises with the stderr tail (and `label`) when it fails."""
-    import subprocess
-
     proc = subprocess.run(torchrun_command(nproc, config, overrides), cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:

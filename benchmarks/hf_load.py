@@ -45,7 +45,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ROOT, free_port, load_avg, stamp  # noqa: E402
+from benchmarks.common import (ROOT, free_port, harness_parser, load_avg, out_path, result_meta,  # noqa: E402
+                               stamp, write_result)
 
 BIG = dict(hidden_size=1024, num_layers=22, num_heads=16, num_kv_heads=4, intermediate_size=2816,
            vocab_size=32000, max_position_embeddings=2048)  # 311M parameters (untied head)
@@ -162,6 +163,7 @@ def ensure_model(directory: Path, sizes: dict, *, moe: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+<<<<<<< HEAD
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=None, help="default /tmp/rtp-hf-load/llama-311m (--moe: qwen3-moe-308m)")
     p.add_argument("--repeats", type=int, default=3)
@@ -169,12 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE (fused experts) instead of a Llama")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="default benchmarks/hf_load.json (--moe: hf_load.moe.json)")
+=======
+    p = harness_parser(__doc__, out=ROOT / "benchmarks" / "hf_load.json")
+    p.add_argument("--dir", default="/tmp/rtp-hf-load/llama-311m")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+>>>>>>> h-bench
     args = p.parse_args(argv)
     if args.worker:
         result = worker(args.worker, args.dir)
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(result), flush=True)
         return 0
+<<<<<<< HEAD
     sizes = (SMOKE_MOE if args.smoke else BIG_MOE) if args.moe else (SMOKE if args.smoke else BIG)
     directory = args.dir or ("/tmp/rtp-hf-load/" + ("qwen3-moe-308m" if args.moe else "llama-311m"))
     model_dir = ensure_model(Path(directory + ("-smoke" if args.smoke else "")), sizes, moe=args.moe)
@@ -182,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.smoke else args.repeats
     sides = ("fsdp2", "one", "from_pretrained") if args.moe else ("fsdp2", "pp2", "one", "from_pretrained")
     runs: dict[str, list[dict]] = {s: [] for s in sides}
+=======
+    sizes = SMOKE if args.smoke else BIG
+    model_dir = ensure_model(Path(args.dir + ("-smoke" if args.smoke else "")), sizes)
+    repeats = 1 if args.smoke else args.repeats or 3
+    runs: dict[str, list[dict]] = {s: [] for s in ("fsdp2", "pp2", "one", "from_pretrained")}
+>>>>>>> h-bench
     for i in range(repeats):
         for side in runs:
             r = _run_side(side, str(model_dir))
@@ -205,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         "load_seconds": {s: statistics.median([r["seconds"] for r in runs[s]]) for s in runs}, "repeats": repeats,
     }
     print(json.dumps(summary, indent=2))
+<<<<<<< HEAD
     if not args.smoke:
         Path(out).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2) + "\n")
+=======
+    write_result({"_meta": result_meta(__file__, argv), "summary": summary, "runs": runs}, out_path(args))
+>>>>>>> h-bench
     return 0
 
 

@@ -14,7 +14,7 @@ from the iterator's creation to its last batch).
 - ``ray_data``: the platform's path, unchanged: `build_datasets` (read tasks of 16,384
   rows: 4 row groups each, one block per task), the shard a 1-worker `TorchTrainer` gets (`DataConfig.configure` with the
   platform's `ingest_options`, so a streaming split of 1 with order preserved), then
-  `iter_batches(..., batch_format="numpy")` wrapped zero-copy by the worker's `_as_tensors`,
+  `iter_batches(..., batch_format="numpy")` wrapped zero-copy by the worker's `as_tensors`,
   with the config's default prefetch (2 batches).
 - ``dataloader``: what a PyTorch user writes: an `IterableDataset` that reads one row group
   at a time with pyarrow and slices it into batches, `DataLoader(batch_size=None,
@@ -32,7 +32,6 @@ from the iterator's creation to its last batch).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -42,7 +41,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import ROW_GROUP_ROWS, interleaved, local_ray, stamp, tabular_data
+from common import (ROW_GROUP_ROWS, harness_parser, interleaved, local_ray, out_path, result_meta,
+                    stamp, tabular_data, write_result)
 
 BATCH, FEATURES = 256, 64
 
@@ -100,12 +100,12 @@ def _shards(data: Path, *, prefetch: int = 2, rows_per_read: int | None = None, 
 
 def ray_side(data: Path, *, prefetch: int = 2, rows_per_read: int | None = None,
              torch_batches: bool = False) -> dict:
-    from raytrain_platform.launch.worker import _as_tensors
+    from raytrain_platform.launch.worker import as_tensors
 
     it, = _shards(data, prefetch=prefetch, rows_per_read=rows_per_read)
     if torch_batches:
         return _consume(it.iter_torch_batches(batch_size=BATCH, drop_last=True, prefetch_batches=prefetch))
-    return _consume(map(_as_tensors, it.iter_batches(batch_size=BATCH, batch_format="numpy",
+    return _consume(map(as_tensors, it.iter_batches(batch_size=BATCH, batch_format="numpy",
                                                      drop_last=True, prefetch_batches=prefetch)))
 
 
@@ -114,12 +114,12 @@ def ray_two_workers(data: Path) -> dict:
     the two together, from the iterators' creation to the last batch of the slower."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from raytrain_platform.launch.worker import _as_tensors
+    from raytrain_platform.launch.worker import as_tensors
 
     shards = _shards(data, world=2)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
-        parts = list(pool.map(lambda it: _consume(map(_as_tensors, it.iter_batches(
+        parts = list(pool.map(lambda it: _consume(map(as_tensors, it.iter_batches(
             batch_size=BATCH, batch_format="numpy", drop_last=True, prefetch_batches=2))), shards))
     total = time.perf_counter() - t0
     rows = sum(p["rows"] for p in parts)
@@ -257,13 +257,12 @@ def detail(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--repeats", type=int)
+    p = harness_parser(__doc__)  # a section of run.py, which renders the table and the results page
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rtp-ingest-") as tmp:
         result = measure(Path(tmp), smoke=args.smoke, repeats=args.repeats)
     print(json.dumps(result, indent=2))
+    write_result({"_meta": result_meta(__file__, argv), **result}, out_path(args))
     print(detail(result))
     return 0
 

@@ -14,7 +14,8 @@ then loads in a fresh process, as a replica would, and reports:
 - ``tensor_mib``: bytes of distinct tensor storages the loaded models hold (shared
   storages once).
 
-Writes benchmarks/lora_serving.json (full runs only) and prints a table.
+Writes benchmarks/lora_serving.json (``--out``; not with --smoke) and prints a table;
+``--page`` also writes it to benchmarks/results/lora-serving-DATE.md.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, finish, harness_parser
 
 
 def _train(root: Path, name: str, *, kwargs: dict, lr: float) -> Path:
@@ -83,11 +84,12 @@ def measure(side: str, runs: list[str]) -> dict:
             "tensor_mib": round(sum(storages.values()) / 2**20, 1)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--smoke", action="store_true")
+def main(argv: list[str] | None = None) -> None:
+    # One load per side and N (no --repeats: memory, not time); --smoke: a tiny gpt, N = 2.
+    p = harness_parser(__doc__, out=ROOT / "benchmarks" / "lora_serving.json", page="lora-serving",
+                       repeats=False)
     p.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)  # internal: SIDE RUN...
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(args.measure[0], args.measure[1:])))
         return
@@ -102,15 +104,14 @@ def main() -> None:
                 out = subprocess.run([sys.executable, __file__, "--measure", side, *runs[:n]], cwd=ROOT,
                                      capture_output=True, text=True, check=True, timeout=600)
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print("| side | N | RSS growth (MiB) | tensor storage (MiB) |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['side']} | {r['n']} | {r['rss_mib']} | {r['tensor_mib']} |")
+    table = ["| side | N | RSS growth (MiB) | tensor storage (MiB) |", "|---|---|---|---|"]
+    table += [f"| {r['side']} | {r['n']} | {r['rss_mib']} | {r['tensor_mib']} |" for r in rows]
     big = [r for r in rows if r["n"] == max(counts)]
     merged, shared = (next(r for r in big if r["side"] == s) for s in ("merged", "shared"))
-    print(f"N = {max(counts)}: shared base {shared['rss_mib']} MiB vs merged {merged['rss_mib']} MiB "
-          f"({merged['rss_mib'] / max(shared['rss_mib'], 0.1):.1f}x)")
-    if not args.smoke:
-        (ROOT / "benchmarks" / "lora_serving.json").write_text(json.dumps({"kwargs": kwargs, "rows": rows}, indent=1))
+    table += ["", f"N = {max(counts)}: shared base {shared['rss_mib']} MiB vs merged {merged['rss_mib']} MiB "
+                  f"({merged['rss_mib'] / max(shared['rss_mib'], 0.1):.1f}x)"]
+    finish(args, {"kwargs": kwargs, "rows": rows}, script=__file__, argv=argv,
+           title="Replica memory for N LoRA runs: a shared base against merged models", table="\n".join(table))
 
 
 if __name__ == "__main__":

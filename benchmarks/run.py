@@ -23,8 +23,9 @@ Sections (each interleaves its sides' repeats and reports medians and ratios):
 Results merge by key into ``benchmarks/results.json`` (a section not run keeps its last
 figures, each with its date and load average) and the whole table is rendered again into
 ``benchmarks/results.md``. With ``--smoke`` nothing is written unless ``--out-dir`` is
-given. Not here: the GPU run (`gpu_train.py`, its JSON is added to the table when saved
-as ``benchmarks/gpu_results.json``) and the CPU profile (`profile_step.py` -> profile.md).
+given; ``--page`` also writes the table to ``benchmarks/results/alternatives-DATE.md``
+with the date, command and machine. Not here: the GPU run (`gpu_train.py`, its JSON is
+added to the table when saved as ``benchmarks/gpu_results.json``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ingest
 import scaling
 import startup
-from common import ROOT, free_port, interleaved, local_ray, stamp, tabular_data
+from common import (ROOT, add_page_arg, command_line, free_port, interleaved, local_ray, machine, machine_line,
+                    stamp, tabular_data, write_page)
 
 BENCH = ROOT / "benchmarks"
 
@@ -212,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat; writes only to --out-dir")
     p.add_argument("--out-dir", type=Path, help="where results.json / results.md go (default benchmarks/)")
     p.add_argument("--repeats", type=int, help="interleaved repeats of every side (default: each section's own, 2-3)")
+    add_page_arg(p, "alternatives")
     args = p.parse_args(argv)
     names = (args.sections.split(",") if args.sections else
              list(SMOKE_SECTIONS if args.smoke else SECTIONS))
@@ -241,11 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     if out_dir and (out_dir / "results.json").exists():
         merged = json.loads((out_dir / "results.json").read_text())
     merged.update(results)
-    import torch
-
-    merged["_meta"] = {"command": "python benchmarks/run.py" + (f" --sections {args.sections}" if args.sections else ""),
-                       "date": time.strftime("%Y-%m-%d"), "machine": "2 CPU cores, no GPU",
-                       "torch": torch.__version__, "ray": ray.__version__,
+    command, m = command_line(__file__, argv), machine()
+    merged["_meta"] = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine_line(m),
+                       **{k: v for k, v in m.items() if k in ("torch", "ray", "transformers")},
                        "section_seconds": {**merged.get("_meta", {}).get("section_seconds", {}), **timings}}
     text = render(merged)
     print(text)
@@ -255,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "results.json").write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
         (out_dir / "results.md").write_text(text)
         print(f"wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
+    if args.page and args.smoke:
+        print("--page: not written for a --smoke run (tiny sizes measure nothing)")
+    elif args.page:
+        write_page("alternatives", "The platform against what a user would write without it", text,
+                   command=command)
     return 0
 
 

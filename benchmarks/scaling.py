@@ -22,13 +22,13 @@ its 2-vs-1 efficiency is what this machine gives with no Ray at all.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from common import ROOT, interleaved, local_ray, stamp, steady, torchrun_core
+from common import (ROOT, harness_parser, interleaved, local_ray, out_path, result_meta, stamp,
+                    steady, torchrun_core, write_result)
 
 QUICKSTART = ROOT / "pipelines/configs/quickstart.yaml"
 WARMUP = 5
@@ -100,14 +100,13 @@ def table_rows(results: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--repeats", type=int)
+    p = harness_parser(__doc__)  # a section of run.py, which renders the table and the results page
     p.add_argument("--steps", type=int)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rtp-scaling-") as tmp:
         result = measure(Path(tmp), smoke=args.smoke, repeats=args.repeats, steps=args.steps)
     print(json.dumps(result, indent=2))
+    write_result({"_meta": result_meta(__file__, argv), **result}, out_path(args))
     print("\n".join(table_rows(result)))
     return 0
 

@@ -24,13 +24,13 @@ cheap against the HTTP path (which tops out at ~170-200 requests/s here, `mlp-sm
 for batching to pay much; 16 -> 8 x 4096 -> 4 takes 29 and 163 ms; 16 x 4096, 63 and
 334 ms.
 
-Writes benchmarks/serve_results.json and serve_results.md (not with --smoke or --quick).
+Writes benchmarks/serve_results.json (``--out``) and the table beside it as .md (not with
+--smoke or --quick); ``--page`` also writes the table to
+benchmarks/results/serve-batching-DATE.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -45,7 +45,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import free_port  # noqa: E402
+from common import finish, free_port, harness_parser, out_path  # noqa: E402
 from raytrain_platform.serve.builder import NORMAL_PRIORITY_ENV, build_application  # noqa: E402
 from raytrain_platform.serve.catalog import load_catalog  # noqa: E402
 from raytrain_platform.serve.options import parse_serve_args  # noqa: E402
@@ -182,23 +182,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="small models, a few requests; no results files")
+def main(argv: list[str] | None = None) -> int:
+    # --smoke: small models, a few requests.
+    p = harness_parser(__doc__, out=ROOT / "benchmarks" / "serve_results.json", page="serve-batching")
     p.add_argument("--quick", action="store_true", help="the mlp models at 32 clients, once; no results files")
     p.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (default: a free one)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.quick:
+        args.default_out = None
     port = args.port or free_port()
-    levels, repeats = (SMOKE_LEVELS, 1) if args.smoke else (QUICK_LEVELS, 1) if args.quick else (LEVELS, 3)
+    levels, repeats = ((SMOKE_LEVELS, 1) if args.smoke else (QUICK_LEVELS, 1) if args.quick
+                       else (LEVELS, args.repeats or 3))
     rows = run(levels, port, repeats=repeats)
     errors = sum(r["errors"] for r in rows)
     text = table(rows)
-    print(text)
-    if not (args.smoke or args.quick):
-        out = ROOT / "benchmarks"
-        (out / "serve_results.json").write_text(json.dumps(rows, indent=2) + "\n")
-        (out / "serve_results.md").write_text(
-            "Command: `python benchmarks/serve_bench.py`\n\n" + text + "\n")
+    finish(args, {"repeats": repeats, "rows": rows}, script=__file__, argv=argv,
+           title="Ray Serve with and without dynamic batching", table=text)
+    if out_path(args):
+        out_path(args).with_suffix(".md").write_text(text + "\n")
     return 1 if errors else 0
 
 

@@ -16,14 +16,12 @@ Both count the tokens actually generated (a sampled end-of-sequence token ends a
 request early on either side). Sides alternate per repeat (the machine's load drifts);
 the figure is the median over repeats.
 
-Writes benchmarks/serve_llm.json (not with --smoke).
+Writes benchmarks/serve_llm.json (``--out``; not with --smoke) and prints a table;
+``--page`` also writes it to benchmarks/results/serve-llm-DATE.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +33,7 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import free_port, interleaved, stamp
+from common import compare, finish, free_port, harness_parser, interleaved, stamp
 
 MAX_TOKENS = 32
 LEVELS = [(1, 6), (8, 32), (32, 96)]  # (clients, requests per repeat)
@@ -124,16 +122,14 @@ def _deploy(model_dir: Path) -> str:
     return url
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a few requests, tiny model; no results written")
-    parser.add_argument("--repeats", type=int, default=2)
+def main(argv: list[str] | None = None) -> int:
+    # --smoke: a few requests to a tiny model, one repeat.
+    parser = harness_parser(__doc__, out=ROOT / "benchmarks" / "serve_llm.json", page="serve-llm")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "serve_llm.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     levels = SMOKE_LEVELS if args.smoke else LEVELS
-    hidden, layers, repeats = (64, 2, 1) if args.smoke else (args.hidden, args.layers, args.repeats)
+    hidden, layers, repeats = (64, 2, 1) if args.smoke else (args.hidden, args.layers, args.repeats or 2)
     from ray import serve
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,24 +142,19 @@ def main() -> int:
             results = interleaved(sides, repeats, label="serve_llm ")
         finally:
             serve.shutdown()
-    base_runs = [r["tokens_per_s"] for r in results["generate (one at a time)"]]
-    base = statistics.median(base_runs)
-    rows = []
-    for name, runs in results.items():
-        tps = statistics.median(r["tokens_per_s"] for r in runs)
-        # Each repeat against the baseline run next to it (the same minute of machine load).
-        paired = [round(r["tokens_per_s"] / b, 2) for r, b in zip(runs, base_runs)]
-        rows.append({"side": name, "tokens_per_s": round(tps, 1), "vs_generate": round(tps / base, 2),
-                     "repeats": [round(r["tokens_per_s"], 1) for r in runs], "vs_generate_per_repeat": paired})
-        print(f"{name:28s} {tps:8.1f} tokens/s  {tps / base:5.2f}x  (repeats {rows[-1]['repeats']}, "
-              f"per repeat {paired})")
-    if not args.smoke:
-        command = "python benchmarks/serve_llm.py " + " ".join(sys.argv[1:])
-        Path(args.out).write_text(json.dumps({"command": command.strip(), **stamp(), "hidden": hidden,
-                                              "layers": layers, "max_tokens": MAX_TOKENS, "rows": rows}, indent=2))
-        print(f"wrote {args.out}")
+    # Each repeat also against the baseline run next to it (the same minute of machine load).
+    got = compare(results, "tokens_per_s", "generate (one at a time)")
+    rows = [{"side": name, "tokens_per_s": round(got["median"][name], 1), "vs_generate": round(got["ratio"][name], 2),
+             "repeats": [round(r["tokens_per_s"], 1) for r in runs],
+             "vs_generate_per_repeat": [round(x, 2) for x in got["per_repeat"][name]]}
+            for name, runs in results.items()]
+    table = ["| side | generated tokens/s (median) | vs generate | per repeat |", "|---|---:|---:|---|"]
+    table += [f"| {r['side']} | {r['tokens_per_s']:,.1f} | {r['vs_generate']:.2f}x | {r['vs_generate_per_repeat']} |"
+              for r in rows]
+    finish(args, {**stamp(), "hidden": hidden, "layers": layers, "max_tokens": MAX_TOKENS, "repeats": repeats,
+                  "rows": rows}, script=__file__, argv=argv,
+           title="LLM serving: the OpenAI endpoint against one-at-a-time generate", table="\n".join(table))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

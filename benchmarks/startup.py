@@ -28,7 +28,6 @@ size, the run directory) and after it (checkpoint, summary, plot).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -39,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, interleaved, stamp
+from common import ROOT, harness_parser, interleaved, out_path, result_meta, stamp, write_result
 
 QUICKSTART = ROOT / "pipelines/configs/quickstart.yaml"
 MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64}
@@ -200,9 +199,7 @@ def table_rows(results: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--repeats", type=int)
+    p = harness_parser(__doc__)  # a section of run.py, which renders the table and the results page
     p.add_argument("--bare", metavar="STAMP_FILE", help="(internal) run the bare Ray Train script")
     p.add_argument("--storage", default=None)
     p.add_argument("--workers", type=int, default=WORKERS)
@@ -212,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rtp-startup-") as tmp:
         result = measure(Path(tmp), smoke=args.smoke, repeats=args.repeats)
     print(json.dumps(result, indent=2))
+    write_result({"_meta": result_meta(__file__, argv), **result}, out_path(args))
     print("\n".join(table_rows(result)))
     return 0
 

@@ -12,22 +12,21 @@ rank 0 is the first stage, which holds the embeddings).
 
 On a CPU box with fewer cores than ranks, the ranks time-share cores: throughput
 then shows the communication and bubble overheads of each layout, not the speed-up
-more devices would give. Writes benchmarks/strategies.json and prints a markdown table.
+more devices would give. Writes benchmarks/strategies.json (``--out``) and prints a
+markdown table; ``--page`` also writes it to benchmarks/results/strategies-DATE.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
-from common import torchrun_core
+from common import finish, harness_parser, torchrun_core
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"name": "gpt", "kwargs": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64}}
@@ -94,14 +93,13 @@ def run_layout(storage: Path, name: str, ranks: int, parallel: dict, steps: int)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=3)
+    # --smoke: 3 steps of one data-, tensor- and pipeline-parallel layout, one repeat
+    # (tests/test_model_parallel.py checks every layout).
+    p = harness_parser(__doc__, out=ROOT / "benchmarks" / "strategies.json", page="strategies")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--cpu-steps", type=int, default=15, help="steps of the CPU-cost difference")
-    p.add_argument("--smoke", action="store_true",
-                   help="3 steps of one data-, tensor- and pipeline-parallel layout, one repeat; "
-                        "no results file (tests/test_model_parallel.py checks every layout)")
     args = p.parse_args(argv)
+    args.repeats = args.repeats or 3
     layouts = LAYOUTS
     if args.smoke:
         args.repeats, args.steps, args.cpu_steps = 1, 3, 0
@@ -131,18 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             summary[name]["cpu_s_per_sample"] = round(cpu[name], 5)
         table.append(f"| {name} | {LAYOUTS[name][0]} | {sps:,.1f} | {sps / base:.2f} | {cost} | "
                      f"{state / 2**20:.2f} MiB |")
-    print("\n".join(table))
-    if not args.smoke:
-        out = ROOT / "benchmarks" / "strategies.json"
-        import torch
-
-        out.write_text(json.dumps({
-            "_meta": {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/strategies.py",
-                      "machine": "2 CPU cores (shared), no GPU", "torch": torch.__version__,
-                      "model": MODEL, "global_batch": GLOBAL_BATCH, "repeats": args.repeats,
-                      "steps": args.steps},
-            "layouts": summary}, indent=2) + "\n")
-        print(f"wrote {out}")
+    finish(args, {"model": MODEL, "global_batch": GLOBAL_BATCH, "repeats": args.repeats, "steps": args.steps,
+                  "layouts": summary}, script=__file__, argv=argv,
+           title="Throughput and rank-0 memory of every parallel layout, on CPU", table="\n".join(table))
     return 0
 
 

@@ -67,7 +67,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, free_port, rotated, stamp, torchrun_core  # noqa: E402
+from common import (ROOT, add_page_arg, command_line, free_port, machine, rotated, stamp,  # noqa: E402
+                    torchrun_core, write_page)
 
 BENCH = ROOT / "benchmarks"
 ACCELERATE_SCRIPT = BENCH / "_accelerate_finetune.py"
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--dynamo_backend inductor), in the same run; the default --out gains .compile")
     p.add_argument("--samples", type=int, help="chat records (default 2000; a larger vocabulary packs them into "
                                                "fewer windows: 5556, the most the standard library gives, for 8192)")
+    add_page_arg(p, "vs-accelerate")
     args = p.parse_args(argv)
     if args.vocab < 300 or (args.samples is not None and args.samples < 1):
         p.error("--vocab: at least 300 (the byte alphabet and the special tokens); --samples: at least 1")
@@ -357,10 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     suffix = ("" if args.vocab == 512 else f".vocab{args.vocab}") + (".compile" if args.compile else "")
     out = args.out or (None if args.smoke else BENCH / f"vs_accelerate{suffix}.json")
     t0 = time.perf_counter()
-    command = " ".join(["python benchmarks/vs_accelerate.py", *(sys.argv[1:] if argv is None else argv)])
+    command, where = command_line(__file__, argv), machine()
 
     def save(result: dict) -> None:
-        result.update(command=command, seconds=round(time.perf_counter() - t0, 1))
+        result.update(command=command, machine=where, seconds=round(time.perf_counter() - t0, 1))
         if out:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2) + "\n")
@@ -376,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
           f"(median {load['median']})")
     if out:
         print(f"wrote {out}")
+    if args.page and args.smoke:
+        print("--page: not written for a --smoke run (tiny sizes measure nothing)")
+    elif args.page:
+        write_page("vs-accelerate", "The Hugging Face fine-tune against Accelerate", table(result), command=command)
     return 0
 
 

@@ -1,13 +1,92 @@
-"""Benchmarks are not timed in tests; their --smoke mode runs here so they don't rot."""
+"""Benchmarks are not timed in tests; their --smoke mode runs here so they don't rot, and
+every script is named in benchmarks/README.md and uses the package's public names only."""
 
+import ast
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 from conftest import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = pytest.mark.timeout(400)
+BENCH = ROOT / "benchmarks"
+
+
+def _private_names(tree: ast.Module) -> list[str]:
+    """`_private` names a module takes from raytrain_platform: imported (``from
+    raytrain_platform.x import _y``, a module path with a ``_part``) or reached as an
+    attribute of a module it imported from there (``mod._y``)."""
+    found, modules = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "raytrain_platform":
+            parts = node.module.split(".")
+            found += [f"{node.module} (module)" for part in parts if part.startswith("_") and part != "__main__"]
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            modules |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname or a.name.split(".")[0] for a in node.names
+                        if a.name.split(".")[0] == "raytrain_platform"}
+    found += [f"{node.value.id}.{node.attr} (line {node.lineno})" for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+              and node.attr.startswith("_") and not node.attr.startswith("__")]
+    return found
+
+
+def test_every_benchmark_is_in_the_readme_and_uses_public_names_only():
+    """benchmarks/README.md names every script (`name.py`), and no script imports a
+    `_private` name of the package: a benchmark times what a user can call."""
+    readme = (BENCH / "README.md").read_text()
+    named = set(re.findall(r"`([A-Za-z_][\w]*\.py)`", readme))
+    scripts = sorted(BENCH.glob("*.py"))
+    assert len(scripts) >= 10, scripts  # the glob found the folder
+    assert [p.name for p in scripts if p.name not in named] == []
+    private = {p.name: _private_names(ast.parse(p.read_text(), filename=str(p))) for p in scripts}
+    assert {name: got for name, got in private.items() if got} == {}
+
+
+def test_the_private_name_check_finds_each_form():
+    """The check above on code that does each thing it forbids (and one it allows)."""
+    code = ("from raytrain_platform.launch.worker import _as_tensors\n"
+            "from raytrain_platform.data import window_cache\n"
+            "import raytrain_platform.tools.tiny_llm as t\n"
+            "from raytrain_platform._compat import x\n"
+            "from raytrain_platform.core.__main__ import main\n"
+            "window_cache._arrays(1)\nt._qa_pairs(3)\nt.make_model()\nother._fine()\n")
+    assert _private_names(ast.parse(code)) == [
+        "raytrain_platform.launch.worker._as_tensors", "raytrain_platform._compat (module)",
+        "window_cache._arrays (line 6)", "t._qa_pairs (line 7)"]
+
+
+def test_the_harness_writes_a_dated_page_and_compares_within_one_run(tmp_path, monkeypatch):
+    """benchmarks/common.py: a results page states date, exact command and machine (CPU
+    model, cores, torch and Ray versions), and a second run of the same day is appended,
+    never written over; `compare` takes ratios of medians and repeat by repeat."""
+    import importlib.metadata
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import common
+
+    page = common.write_page("demo", "A demo", "| a | b |\n|---|---|\n| 1 | 2 |",
+                             command="python benchmarks/demo.py --repeats 3", results_dir=tmp_path, date="2026-01-02")
+    assert page == tmp_path / "demo-2026-01-02.md"
+    text = page.read_text()
+    header = text.splitlines()[2]
+    assert text.startswith("# A demo\n\nDate: 2026-01-02 ") and "| 1 | 2 |" in text, text
+    assert "Command: `python benchmarks/demo.py --repeats 3`" in header, header
+    m = common.machine()
+    assert m["cores"] >= 1 and m["cpu"] and f"{m['cpu']}, {m['cores']} cores" in header, header
+    for package in ("torch", "ray"):
+        assert f"{package} {importlib.metadata.version(package)}" in header, header
+    common.write_page("demo", "A demo", "| 3 | 4 |", command="python benchmarks/demo.py", results_dir=tmp_path,
+                      date="2026-01-02")
+    again = page.read_text()
+    assert again.startswith(text.rstrip("\n")) and again.count("Date: 2026-01-02") == 2 and "| 3 | 4 |" in again
+    runs = {"base": [{"s": 2.0}, {"s": 4.0}, {"s": 3.0}], "new": [{"s": 3.0}, {"s": 4.0}, {"s": 6.0}]}
+    got = common.compare(runs, "s", "base")
+    assert got["median"] == {"base": 3.0, "new": 4.0} and got["ratio"]["new"] == pytest.approx(4 / 3)
+    assert got["per_repeat"]["new"] == [1.5, 1.0, 2.0]
 
 
 def _run(args: list[str], timeout: int = 380) -> str:
@@ -18,6 +97,7 @@ def _run(args: list[str], timeout: int = 380) -> str:
 
 
 @pytest.mark.extended  # a benchmark's whole pipeline, minutes on 2 cores: run with -m extended
+@pytest.mark.slow
 def test_train_vs_loop_smoke():
     out = _run(["benchmarks/train_vs_loop.py", "--smoke"])
     assert out.count("Ray Data from Parquet vs in-memory hand loop") == 1  # smoke: the small model
@@ -26,6 +106,7 @@ def test_train_vs_loop_smoke():
 
 
 @pytest.mark.extended  # a benchmark's whole pipeline, minutes on 2 cores: run with -m extended
+@pytest.mark.slow
 def test_serve_bench_smoke():
     out = _run(["benchmarks/serve_bench.py", "--smoke"])
     assert "| mlp-small | on | 4 | 16 |" in out and "| gpt | off | 1 | 4 |" in out
@@ -33,12 +114,14 @@ def test_serve_bench_smoke():
 
 
 @pytest.mark.extended  # a Ray, a Serve app and a tiny model: ~1 min; the OpenAI API itself is tested by default
+@pytest.mark.slow
 def test_serve_llm_smoke():
     out = _run(["benchmarks/serve_llm.py", "--smoke"])
     assert "generate (one at a time)" in out and "served, 4 clients" in out
 
 
 @pytest.mark.extended  # a benchmark's whole pipeline, minutes on 2 cores: run with -m extended
+@pytest.mark.slow
 def test_strategies_smoke():
     """The strategy benchmark still runs: one layout of each kind, 3 steps each."""
     out = _run(["benchmarks/strategies.py", "--smoke"])
@@ -47,6 +130,7 @@ def test_strategies_smoke():
 
 
 @pytest.mark.extended  # a benchmark's whole pipeline, minutes on 2 cores: run with -m extended
+@pytest.mark.slow
 def test_run_smoke(tmp_path):
     """The one-command runner's new comparisons at tiny sizes, through its results writer,
     all on one Ray: Ray Data vs DataLoader ingest (and the tuning variants), 2-worker DDP
@@ -66,20 +150,18 @@ def test_run_smoke(tmp_path):
     assert "| start-up: `rtp train` to the first optimizer step" in table
 
 
-def test_gpu_train_and_profile_smoke(tmp_path):
-    """The GPU benchmark's tiny preset on CPU (gloo, FSDP2, 1 process: its loss must fall)
-    and the step profiler on 2 torchrun ranks."""
+@pytest.mark.slow
+def test_gpu_train_smoke(tmp_path):
+    """The GPU benchmark's tiny preset on CPU (gloo, FSDP2, 1 process: its loss must fall)."""
     _run(["benchmarks/gpu_train.py", "--smoke", "--out", str(tmp_path / "gpu.json")], timeout=120)
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert result["ok"] and not result["timed_out"], result
     run, = result["runs"]
     assert run["loss_fell"] and run["tokens_per_s"] > 0 and 0 < run["mfu"] < 1, run
-    _run(["benchmarks/profile_step.py", "--smoke", "--out", str(tmp_path / "profile.md")], timeout=120)
-    profile = (tmp_path / "profile.md").read_text()
-    assert "`rtp::micro_step`" in profile and "`aten::mm`" in profile
 
 
 @pytest.mark.extended  # the GPU benchmark's hf path on CPU, ~25 s (its gpt path runs by default)
+@pytest.mark.slow
 def test_gpu_train_hf_smoke(tmp_path):
     """The GPU benchmark's hf path on CPU: a Llama built from a config.json alone (init
     random), FSDP2 per decoder layer through the engine, 1 gloo process, eager and then
@@ -95,31 +177,8 @@ def test_gpu_train_hf_smoke(tmp_path):
         assert run["flops_params"] == run["n_params"] - run["vocab_size"] * run["hidden_size"], run
 
 
-def test_counted_logits_smoke(tmp_path):
-    """The LM-head-on-counted-tokens benchmark (one process, no Ray, seconds): both modes
-    timed; on the same batch and weights the same loss, and fewer bytes saved for backward."""
-    out = _run(["benchmarks/counted_logits.py", "--smoke", "--out", str(tmp_path / "counted.json")])
-    assert "| vocabulary (model) | head share of matmul weights | counted share |" in out
-    got, = json.loads((tmp_path / "counted.json").read_text())["vocabs"]
-    assert 0 < got["counted_share"] < 1 and got["steps_per_mode"] == 2, got
-    assert 0 < got["head_share_of_matmul_weights"] < 1, got
-    assert all(v > 0 for v in got["step_s"].values()), got
-    assert got["loss_sum"]["counted"] == pytest.approx(got["loss_sum"]["all"], rel=1e-5), got
-    assert got["saved_bytes"]["counted"] < got["saved_bytes"]["all"], got
-
-
-def test_stream_decode_smoke(tmp_path):
-    """Serving's detokenizer benchmark (one process, seconds): it runs, and both sides
-    release the whole decode's text (the benchmark exits otherwise). Not timed here: the
-    cost per token is bounded by `test_serve_text`'s count of decoded ids."""
-    out = _run(["benchmarks/stream_decode.py", "--smoke", "--out", str(tmp_path / "s.json")])
-    assert "| completion tokens | incremental, µs/token |" in out
-    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
-    assert [r["tokens"] for r in rows] == [64, 256], rows
-    assert all(r["incremental_us_per_token"] > 0 and r["whole_us_per_token"] > 0 for r in rows), rows
-
-
 @pytest.mark.extended  # four torchrun launches (three for the MoE)
+@pytest.mark.slow
 @pytest.mark.parametrize("moe", [False, True])
 def test_hf_load_smoke(tmp_path, moe):
     """Pretrained weights into FSDP2 shards and into pipeline stages (the MoE: FSDP2
@@ -135,56 +194,8 @@ def test_hf_load_smoke(tmp_path, moe):
         assert len(held) == 2 and all(0.4 * whole < h < 0.6 * whole for h in held), (side, held, whole)
 
 
-@pytest.mark.extended  # a 2-process count of real JSONL, ~40 s (test_jsonl_data runs the same pass by default)
-def test_count_pass_smoke(tmp_path):
-    """The count pass batched in one process and on 2 worker processes,
-    small files (~15 s): the benchmark itself checks that every side keeps the same
-    counts and windows, bit for bit."""
-    _run(["benchmarks/count_pass.py", "--smoke", "--processes", "2", "--out", str(tmp_path / "c.json")])
-    result = json.loads((tmp_path / "c.json").read_text())
-    assert set(result["formats"]) == {"chat", "prompt_completion", "text"}, result
-    for fmt, r in result["formats"].items():
-        assert set(r["runs"]) == {"batched", "2_processes"}, (fmt, r)
-        assert r["windows"][0] > 0 and all(len(runs) == 1 for runs in r["runs"].values()), (fmt, r)
-
-
-def test_cache_prune_smoke(tmp_path):
-    """Looking over, trimming and reading a token cache of 200 entries (~2 s); the
-    benchmark itself checks that the trim removed exactly the oldest tenth."""
-    _run(["benchmarks/cache_prune.py", "--smoke", "--out", str(tmp_path / "p.json")])
-    result = json.loads((tmp_path / "p.json").read_text())
-    assert result["entries"] == 200 and len(result["runs"]) == 1, result
-    assert result["median"]["cache_bytes"] > 0 and result["median"]["read_us"] > 0, result
-
-
-@pytest.mark.extended  # two 2-worker Ray Train runs, tiny: ~1.5 min
-def test_window_cache_smoke(tmp_path):
-    """The fine-tune through Ray with the kept windows and without them, one pair: both
-    sides train and are timed; they read the same windows, so their losses are equal."""
-    out = _run(["benchmarks/window_cache.py", "--smoke", "--out", str(tmp_path / "w.json")])
-    assert "ratio_kept_over_tokenized" in out
-    result = json.loads((tmp_path / "w.json").read_text())
-    assert result["pairs"] == 1 and len(result["pair_ratios"]) == 1, result
-    for side in ("kept", "tokenized"):
-        (run,) = result["runs"][side]
-        assert run["tokens_per_s"] > 0 and 0 <= run["data_wait_frac"] <= 1, result
-    assert result["loss_max_abs_diff"] < 1e-4, result  # the same windows, the same steps
-
-
-@pytest.mark.extended  # four torchrun runs, two of them compiled: ~1 min
-def test_block_options_smoke(tmp_path):
-    """Eager, checkpointed, compiled and both, on the tiny fine-tune: every side trains
-    the same steps to the same losses, and the activation bytes show what each keeps."""
-    _run(["benchmarks/block_options.py", "--smoke", "--out", str(tmp_path / "b.json")])
-    result = json.loads((tmp_path / "b.json").read_text())
-    assert set(result["runs"]) == {"eager", "checkpointed", "compiled", "both"}, result
-    assert all(run["tokens_per_s"] > 0 for runs in result["runs"].values() for run in runs), result
-    assert result["loss_max_abs_diff"] < 1e-4, result
-    saved = result["activation_bytes"]
-    assert saved["checkpointed"] <= saved["both"] <= 1.05 * saved["checkpointed"] < saved["compiled"], saved
-
-
 @pytest.mark.extended  # a benchmark's whole pipeline (Ray, torchrun and accelerate launch), eager and compiled: ~2 min
+@pytest.mark.slow
 def test_vs_accelerate_smoke(tmp_path):
     """The fine-tune through the platform (Ray Train; the torchrun core) and as a plain
     `accelerate launch`ed script, tiny, at 2 processes (DDP on gloo), one repeat, each
@@ -202,58 +213,3 @@ def test_vs_accelerate_smoke(tmp_path):
     # Measured: equal to 5 decimals (fused vs default AdamW, and compiled kernels, differ only in rounding).
     for side in ("ray", "torchrun", "ray_compiled", "torchrun_compiled", "accelerate_compiled"):
         assert entry[f"loss_max_abs_diff_{side}"] < 1e-3, entry
-
-
-@pytest.mark.extended  # one 2-worker Ray Train run over 2 epochs, tiny: ~40 s
-def test_hf_data_smoke(tmp_path):
-    """Tokenized chat JSONL through Ray Data into 2 DDP workers over 2 epochs: the data
-    wait is read per step, over the whole run and at the second epoch's first step, and
-    each evaluation (every 5 steps) is timed from outside."""
-    out = _run(["benchmarks/hf_data.py", "--smoke", "--eval-every", "5", "--out", str(tmp_path / "d.json")])
-    assert "| data_wait_frac_overall |" in out
-    result = json.loads((tmp_path / "d.json").read_text())
-    assert result["epochs"] == 2 and result["steps"] == 2 * result["steps_per_epoch"], result
-    assert len(result["epoch_first_step_wait_s"]) == 1, result
-    assert 0 <= result["data_wait_frac_median"] <= result["data_wait_frac_max"] <= 1, result
-    assert 0 <= result["data_wait_frac_overall"] <= 1, result
-    evals = result["eval_extra_s"]  # every 5th step but the last (it also checkpoints)
-    assert [step for step, _ in evals] == list(range(5, result["steps"], 5)), result
-    assert result["first_eval_extra_s"] == evals[0][1], result
-
-
-@pytest.mark.extended  # two Ray Train runs and one torchrun run, tiny: ~1 min
-def test_ray_overhead_smoke(tmp_path):
-    """Where a 2-process run's time goes (Linux scheduler statistics), through Ray and
-    under torchrun: the training threads' shares of wall time are shares, both training
-    processes are found in each run's own process tree, and Ray's other processes are
-    counted on the Ray side only."""
-    import os
-
-    args = ["benchmarks/ray_overhead.py", "--smoke", "--out", str(tmp_path / "o.json")]
-    out = _run(args)  # SCHED_IDLE phases as root (the default there), none otherwise
-    assert "| 2 processes | step s |" in out
-    result = json.loads((tmp_path / "o.json").read_text())
-    for side in ("ray", "torchrun"):
-        run, = result["runs"][side]
-        assert len(run["training_threads"]) == 2 and run["step_s"] > 0, run
-        for t in run["training_threads"]:  # shares of the thread's own wall time, read beside it
-            assert 0.05 < t["on_cpu"] and 0 <= t["runq_wait"] and t["on_cpu"] + t["runq_wait"] <= 1.05, t
-    assert result["ray"]["ray_processes"]["count"] >= 5, result["ray"]
-    assert result["torchrun"]["ray_processes"]["count"] == 0, result["torchrun"]
-    if os.geteuid() == 0:
-        assert result["sched_idle"]["helper_threads_set"] > 0 and result["sched_idle"]["sched_idle_step_s"] > 0
-
-
-def test_ray_overhead_refuses_a_window_across_an_epoch_boundary(monkeypatch):
-    """A Ray run's next epoch restarts its Ray Data pipeline: its first step waits for
-    data, which ray_overhead.py would count as time asleep. Row i is step i + 1; the
-    window is rows [first, last), checked from the step before it."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import ray_overhead
-
-    rows = [{"epoch": 0}] * 44 + [{"epoch": 1}] * 16  # step 45 starts epoch 1
-    ray_overhead.one_epoch(rows, 10, 44, "run")  # steps 11-44
-    ray_overhead.one_epoch(rows, 45, 60, "run")  # steps 46-60: epoch 1 without its first step
-    for first, last in ((10, 55), (44, 60)):  # across it; from epoch 1's first step
-        with pytest.raises(RuntimeError, match=f"steps {first}-{last} cross an epoch boundary"):
-            ray_overhead.one_epoch(rows, first, last, "run")

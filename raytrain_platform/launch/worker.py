@@ -23,11 +23,12 @@ from raytrain_platform.core.profile import StepProfiler
 from raytrain_platform.resolve import ResolvedJob, val_rounds
 from raytrain_platform.core.rundir import checkpoint_name, write_json
 
-__all__ = ["train_loop_per_worker"]
+__all__ = ["as_tensors", "train_loop_per_worker"]
 
 
 
-def _as_tensors(batch: dict) -> dict[str, torch.Tensor]:
+def as_tensors(batch: dict) -> dict[str, torch.Tensor]:
+    """A Ray Data numpy batch as the engine receives it: each column a tensor, zero-copy."""
     with warnings.catch_warnings():
         # Arrow-backed arrays are read-only; the engine never writes into a batch.
         warnings.simplefilter("ignore", UserWarning)
@@ -63,7 +64,7 @@ class RayBatches:
             batch_size=d.micro_batch, batch_format="numpy", drop_last=True,
             prefetch_batches=d.prefetch_batches, local_shuffle_buffer_size=shuffle or None,
             local_shuffle_seed=shuffle_seed if shuffle else None)
-        return map(_as_tensors, batches)
+        return map(as_tensors, batches)
 
     def train_epoch(self, epoch: int):
         d = self.cfg.data
