@@ -23,8 +23,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if cfg.optimizer == "adamw":
-        # Fused: one kernel over all parameters, several times faster than the multi-tensor
-        # path on CPU (benchmarks/profile.md); it also takes DTensors (FSDP2, TP). The
+        # Fused: one kernel over all parameters, faster than the multi-tensor path on CPU
+        # (benchmarks/results/profile-2026-12-03.md); it also takes DTensors (FSDP2, TP). The
         # multi-tensor path stays for devices without a fused kernel.
         fused = all(p.device.type in _FUSED_ADAMW_DEVICES for p in params)
         beta1, beta2 = cfg.betas  # two numbers (TrainConfig checks)

@@ -44,9 +44,7 @@ _ROWS_PER_READ = 16_384  # rows of Parquet one read task turns into one block
 # Blocks a tokenized source's task may produce ahead of the consumer. Ray Data's
 # default (a private DataContext setting) lets a streaming task run only 2 blocks
 # ahead, and a dealt train split's blocks are single micro-batches: every micro-batch
-# then waited for an executor round trip. Measured (benchmarks/hf_data.py, tiny Llama,
-# 2 DDP workers, one 2000-record file): a median 80% of each step waiting at 2, 1-2% at
-# 64 (0.4% unbounded).
+# then waited for an executor round trip (benchmarks/results/hf-data-2026-12-05.md).
 _TOKEN_BLOCKS_AHEAD = 64
 
 
@@ -170,7 +168,7 @@ def _eval_dataset(spec: SourceSpec, cfg: "JobConfig", info: DataInfo) -> "ray.da
     worker count an elastic run gets (at most `scaling.num_workers`). Not a read task: the train split's task keeps its
     CPU while it streams the epoch, and a validation task that needs one more CPU than
     is free waits for that task to end, with training stopped at its first evaluation
-    (measured: 18.35 s with a 27,500-record file on 2 CPUs, benchmarks/hf_data.py)."""
+    (benchmarks/results/hf-data-2026-12-05.md)."""
     import ray.data
     from ray.data.block import BlockAccessor
 
@@ -198,7 +196,7 @@ def build_datasets(cfg: "JobConfig", info: DataInfo) -> dict[str, "ray.data.Data
             # separate operator it received a running task's blocks only when the task
             # ended (Ray 2.60: a new execution's resource limits read zero for its first
             # second), so every epoch's first batch waited for the first file to be
-            # tokenized whole (benchmarks/hf_data.py).
+            # tokenized whole (benchmarks/results/hf-data-2026-12-05.md).
             ds = _source_dataset(spec, split, info.feature_columns, rows=batch, one_task=True)
         else:
             ds = _source_dataset(spec, split, info.feature_columns)
