@@ -163,39 +163,24 @@ def ensure_model(directory: Path, sizes: dict, *, moe: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-<<<<<<< HEAD
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness_parser(__doc__, out=None)
     p.add_argument("--dir", default=None, help="default /tmp/rtp-hf-load/llama-311m (--moe: qwen3-moe-308m)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--smoke", action="store_true")
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE (fused experts) instead of a Llama")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help="default benchmarks/hf_load.json (--moe: hf_load.moe.json)")
-=======
-    p = harness_parser(__doc__, out=ROOT / "benchmarks" / "hf_load.json")
-    p.add_argument("--dir", default="/tmp/rtp-hf-load/llama-311m")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
->>>>>>> h-bench
     args = p.parse_args(argv)
     if args.worker:
         result = worker(args.worker, args.dir)
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(result), flush=True)
         return 0
-<<<<<<< HEAD
     sizes = (SMOKE_MOE if args.smoke else BIG_MOE) if args.moe else (SMOKE if args.smoke else BIG)
     directory = args.dir or ("/tmp/rtp-hf-load/" + ("qwen3-moe-308m" if args.moe else "llama-311m"))
     model_dir = ensure_model(Path(directory + ("-smoke" if args.smoke else "")), sizes, moe=args.moe)
-    out = args.out or str(ROOT / "benchmarks" / ("hf_load.moe.json" if args.moe else "hf_load.json"))
-    repeats = 1 if args.smoke else args.repeats
+    # the default JSON result, unless --smoke (benchmarks/common.py out_path)
+    args.default_out = ROOT / "benchmarks" / ("hf_load.moe.json" if args.moe else "hf_load.json")
+    repeats = 1 if args.smoke else args.repeats or 3
     sides = ("fsdp2", "one", "from_pretrained") if args.moe else ("fsdp2", "pp2", "one", "from_pretrained")
     runs: dict[str, list[dict]] = {s: [] for s in sides}
-=======
-    sizes = SMOKE if args.smoke else BIG
-    model_dir = ensure_model(Path(args.dir + ("-smoke" if args.smoke else "")), sizes)
-    repeats = 1 if args.smoke else args.repeats or 3
-    runs: dict[str, list[dict]] = {s: [] for s in ("fsdp2", "pp2", "one", "from_pretrained")}
->>>>>>> h-bench
     for i in range(repeats):
         for side in runs:
             r = _run_side(side, str(model_dir))
@@ -219,12 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_seconds": {s: statistics.median([r["seconds"] for r in runs[s]]) for s in runs}, "repeats": repeats,
     }
     print(json.dumps(summary, indent=2))
-<<<<<<< HEAD
-    if not args.smoke:
-        Path(out).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2) + "\n")
-=======
     write_result({"_meta": result_meta(__file__, argv), "summary": summary, "runs": runs}, out_path(args))
->>>>>>> h-bench
     return 0
 
 

@@ -62,7 +62,7 @@ def measure(side: str, runs: list[str]) -> dict:
 
     import raytrain_platform.core.adapters  # noqa: F401
     import raytrain_platform.core.sharded  # noqa: F401
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
     from raytrain_platform.serve.adapters import SharedBases
 
     torch.set_num_threads(1)

@@ -118,7 +118,7 @@ def _damage_state(ckpt: Path, state) -> None:
 ])
 def test_a_damaged_checkpoint_is_refused_in_one_line(copy, tmp_path, capsys, damage, needle):
     """The serving catalog would otherwise start, then answer every request with a 500."""
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
 
     ckpt = latest_checkpoint(copy)
     damage(ckpt)
@@ -130,7 +130,8 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(copy, tmp_path, capsys, dam
 
 
 def test_an_export_with_an_infinite_step_is_refused(run, tmp_path, capsys):
-    from raytrain_platform.export import export_checkpoint, load_model_for_inference
+    from raytrain_platform.export import export_checkpoint
+    from raytrain_platform.inference import load_model_for_inference
 
     out = export_checkpoint(run, tmp_path / "exp")
     info = json.loads((out / "export.json").read_text())
@@ -263,7 +264,7 @@ def test_serve_options_must_be_finite(run, key, value, needle):
 def test_a_checkpoint_config_is_read_as_yaml_only(copy, tmp_path):
     """A run's config.yaml whose value is a Python tag is refused (safe_load); read
     with an unsafe loader it would run the command."""
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
 
     ckpt, marker = latest_checkpoint(copy), tmp_path / "ran"
     config = ckpt / "config.yaml"

@@ -261,7 +261,7 @@ def test_compiled_and_checkpointed_runs_save_the_models_own_parameter_names(runs
     shards, or each stage's tensors) has the model's own names (no ``_orig_mod`` or
     wrapper prefix), so it loads for inference without either, and its weights are the
     eager run's within float rounding."""
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
 
     runs[eager_layout], runs[layout]
     eager, _, _ = load_model_for_inference(runs.root / eager_layout)
@@ -288,7 +288,7 @@ def test_compiled_and_checkpointed_runs_save_the_models_own_parameter_names(runs
 def test_export_to_hugging_face_layout_loads_with_transformers_and_gives_our_logits(runs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
 
     runs["fsdp2"]
     run_dir = runs.root / "fsdp2"
@@ -327,7 +327,7 @@ def test_a_tp_x_pp_run_exports_to_hugging_face_layout(runs, tmp_path):
     and the one-process run's within training's tolerance."""
     from transformers import AutoModelForCausalLM
 
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
 
     runs["tp2_pp2"], runs["one"]
     out = tmp_path / "tp_pp_export"

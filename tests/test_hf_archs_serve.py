@@ -13,7 +13,7 @@ import pytest
 import torch
 from hf_archs import ARCHS, make_arch
 
-from raytrain_platform.export import load_hf_directory
+from raytrain_platform.inference import load_hf_directory
 from raytrain_platform.serve.engine import GenerationEngine, SamplingParams
 from raytrain_platform.serve.text import HFTokenizer
 

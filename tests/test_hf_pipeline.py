@@ -102,7 +102,7 @@ def tiny4(tmp_path_factory):
 def test_interleaved_stages_load_their_own_weights_match_one_process_and_export(tmp_path_factory, tiny4, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
 
     layouts = {"pp2_interleaved": (2, {"parallel": {"pp_size": 2, "pp_schedule": "interleaved_1f1b",
                                                     "pp_microbatches": 4}})}
@@ -154,7 +154,7 @@ def test_a_tied_head_on_interleaved_stages_matches_one_process_and_exports_tied(
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
 
     runs = _tied_runs(tmp_path_factory.mktemp("tied_pp_runs"), tied4, {
         "pp2_interleaved": (2, {"parallel": {"pp_size": 2, "pp_schedule": "interleaved_1f1b",

@@ -21,7 +21,8 @@ LAYERS: list[set[str]] = [
     {"__init__"},  # the public API (re-exports, lazily)
     {"tune", "serve", "doctor", "tools"},  # sweeps, HTTP, measured advice, offline makers
     {"launch"},  # the only place that builds TorchTrainer and datasets
-    {"export"},  # checkpoints -> served / exported models
+    {"export"},  # checkpoints -> exported folders (safetensors, Hugging Face, PEFT)
+    {"inference"},  # a run, checkpoint or export -> a model for inference (serve, export)
     {"core"},  # the training engine, checkpoints, the run directory (Ray-free)
     {"tracking"},  # MLflow and TensorBoard, fed by the engine's rank 0 (Ray-free)
     {"resolve"},  # config + data -> a runnable job

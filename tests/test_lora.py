@@ -305,7 +305,8 @@ def test_peft_and_merged_hf_exports_load_with_our_logits(runs, tiny, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from raytrain_platform.export import export_checkpoint, load_model_for_inference
+    from raytrain_platform.export import export_checkpoint
+    from raytrain_platform.inference import load_model_for_inference
 
     runs["fsdp2"]
     run_dir = runs.root / "fsdp2"
@@ -415,7 +416,7 @@ def test_ray_ddp_lora_run_matches_torchrun_and_reports_trainable_params(ray_clus
 def test_a_served_hf_run_over_the_shared_base_gives_its_logits(runs):
     """serve/adapters.py on the hf tiny Llama: the base from its files, the run's adapters
     added under a model id, the same logits as the run's own (unmerged) model."""
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
     from raytrain_platform.serve.adapters import SharedBases
 
     runs["one"]

@@ -35,7 +35,7 @@ def runs(tmp_path_factory) -> Path:
 
 
 def _unmerged(run: Path) -> torch.nn.Module:
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
 
     return load_model_for_inference(run, merge_adapters=False)[0]
 

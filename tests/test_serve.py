@@ -20,7 +20,7 @@ import yaml
 from conftest import free_port, load_test, mlp_config, train_in_process
 from raytrain_platform.cli import main as rtp
 from raytrain_platform.errors import CheckpointError, ConfigError
-from raytrain_platform.export import load_model_for_inference
+from raytrain_platform.inference import load_model_for_inference
 from raytrain_platform.serve.builder import NORMAL_PRIORITY_ENV, deployment_options
 from raytrain_platform.serve.inference import GenerationJob, generate
 from raytrain_platform.serve.options import parse_serve_args

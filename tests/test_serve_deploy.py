@@ -30,7 +30,7 @@ from conftest import ROOT, free_port, stop_group, wait_for
 from test_serve import GPT_KWARGS, _rows, _train
 
 from raytrain_platform.cli import main as rtp
-from raytrain_platform.export import load_model_for_inference
+from raytrain_platform.inference import load_model_for_inference
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(600)]
 BIN = Path(sys.executable).parent

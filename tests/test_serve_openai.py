@@ -501,7 +501,7 @@ def test_byte_level_and_user_models_generate_through_their_family_hooks(client, 
 
 
 def test_a_user_classifier_predicts_through_its_family_hook(served, models, client):
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
 
     listed = {m.id: m.model_extra for m in client.models.list()}
     assert listed["user_clf"]["inputs"] == {"num_features": 16, "num_outputs": 4}  # read off the module

@@ -86,18 +86,13 @@ class SharedBases:
 
         from raytrain_platform.core.adapters import run_base
         from raytrain_platform.core.checkpoint import read_state
-        from raytrain_platform.export import (
-            _find_checkpoint,
-            _load_job_config,
-            attach_adapters,
-            load_lora_base,
-            read_adapters,
-        )
+        from raytrain_platform.inference import (attach_adapters, find_checkpoint, load_job_config, load_lora_base,
+                                                 read_adapters)
         from raytrain_platform.models.lora import peft_config
         from raytrain_platform.models.registry import get_family
 
-        ckpt = _find_checkpoint(Path(checkpoint))
-        cfg = _load_job_config(ckpt, trust_builder=trust_builder)
+        ckpt = find_checkpoint(Path(checkpoint))
+        cfg = load_job_config(ckpt, trust_builder=trust_builder)
         lora, base_id = cfg.model.lora, run_base(cfg)
         assert lora is not None and base_id is not None, "called for LoRA runs only (the catalog's lora)"
         key = base_id["sha256"]

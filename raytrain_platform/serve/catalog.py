@@ -27,7 +27,7 @@ __all__ = ["load_catalog", "load_served_model", "describe"]
 def load_served_model(model_id: str, path: str, *, trust_builder: bool = False) -> tuple["nn.Module", dict]:
     """``(model, description)`` of one checkpoint, weights loaded without running code;
     errors name the model id. A user builder's run needs `trust_builder` (the option)."""
-    from raytrain_platform.export import is_hf_directory, load_hf_directory, load_model_for_inference
+    from raytrain_platform.inference import is_hf_directory, load_hf_directory, load_model_for_inference
 
     try:
         if is_hf_directory(Path(path)):

@@ -27,8 +27,8 @@ from raytrain_platform.core.rundir import STATE_FILE, latest_checkpoint
 __all__ = ["CheckpointSpec", "ServeOptions", "parse_serve_args", "option_fields", "MODEL_ID_PATTERN"]
 
 MODEL_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._@/-]{0,127}"
-_EXPORT_INFO = "export.json"  # raytrain_platform.export.EXPORT_INFO_FILE, without importing torch
-_HF_CONFIG = "config.json"  # a Hugging Face model folder (export.HF_CONFIG_FILE)
+_EXPORT_INFO = "export.json"  # raytrain_platform.inference.EXPORT_INFO_FILE, without importing torch
+_HF_CONFIG = "config.json"  # a Hugging Face model folder (inference.HF_CONFIG_FILE)
 INT_OPTION_MAX = 2**31 - 1  # what Serve and its C++ core take as a count
 
 
