@@ -8,7 +8,7 @@ of the hf matrix (tests/hf_archs.py), and a Conv1D model (GPT-2) through the pla
   made;
 - GPT-2 (Conv1D attention and MLP) with the default targets: FSDP on 2 ranks (torchrun)
   equals one process, the run names its modules, and both exports load in transformers
-  and peft with our logits.
+  and peft with our logits, and it serves over the shared base with them.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import copy
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
-from conftest import ROOT, assert_losses_close, hf_config, torchrun_metrics
+from conftest import ROOT, assert_losses_close, hf_config, mlp_config, torchrun_metrics
 from hf_archs import ARCHS, arch_config, make_arch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -93,7 +94,8 @@ def test_default_targets_adapt_every_linear_of_the_layers_train_only_them_and_me
 
 
 def test_summary_names_the_chosen_modules_and_a_target_may_be_a_conv1d(tmp_path):
-    """resolve_job turns all-linear into the names peft picks; an explicit Conv1D target works."""
+    """resolve_job turns all-linear into the names peft picks; an explicit Conv1D target works;
+    a target matching no linear layer is one line."""
     from raytrain_platform.config import load_config
     from raytrain_platform.errors import ConfigError
     from raytrain_platform.resolve import resolve_job
@@ -114,6 +116,11 @@ def test_summary_names_the_chosen_modules_and_a_target_may_be_a_conv1d(tmp_path)
     cfg["model"]["lora"] = {"target_modules": ["wte"]}
     with pytest.raises(ConfigError, match=r"transformer.wte is of class Embedding, not nn.Linear or Conv1D"):
         resolve_job(load_config(cfg))
+    # not a transformers model: the family's output head (the builtin gpt's lm_head) is left out
+    gpt = mlp_config(tmp_path, "gpt", model={"name": "gpt", "kwargs": {"n_layer": 1, "n_embd": 16, "n_head": 2,
+                                                                       "block_size": 16}, "lora": {}})
+    assert resolve_job(load_config(gpt)).config.model.lora["target_modules"] == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
 
 
 def _saved_gpt2(tmp_path) -> "os.PathLike":
@@ -133,6 +140,7 @@ def test_gpt2_conv1d_lora_fsdp_matches_one_process_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from raytrain_platform.export import export_checkpoint, load_model_for_inference
+    from raytrain_platform.serve.adapters import SharedBases
 
     model_dir = _saved_gpt2(tmp_path)
 
@@ -168,3 +176,9 @@ def test_gpt2_conv1d_lora_fsdp_matches_one_process_and_exports(tmp_path):
         # merging adds B A alpha/r into W once: fp32 rounding (Llama measured <= 3e-7)
         torch.testing.assert_close(merged(x).logits, expected, rtol=0, atol=1e-5)
         assert (expected - start).abs().max() > 1e-3
+    # served over the shared base (serve/adapters.py): the same logits, the Conv1D layout given to peft
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fan_in_fan_out.*")
+        view = SharedBases().load("gpt2", str(run_dir))
+    with torch.no_grad():
+        torch.testing.assert_close(view(input_ids=x).logits, expected, rtol=0, atol=0)

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ADAPTER", "ALL_LINEAR", "LORA_DEFAULTS", "adapted_peft_config", "adapter_state", "apply_lora",
            "base_source_name", "check_targets", "is_adapter", "linear_names", "merge_lora", "model_peft_config",
-           "peft_config", "resolve_lora", "resolve_targets"]
+           "peft_config", "resolve_lora", "resolve_targets", "stores_in_out"]
 
 ADAPTER = "default"  # peft's adapter name: every run trains one adapter
 ALL_LINEAR = "all-linear"  # peft.utils.constants.INCLUDE_LINEAR_LAYERS_SHORTHAND
@@ -198,6 +198,17 @@ def adapted_peft_config(model: "nn.Module", lora: dict, *, base_path: str | None
     flipped = any(getattr(model.get_submodule(n), "fan_in_fan_out", False) for n in adapted)
     return peft_config({**lora, "target_modules": _names(model, adapted)}, base_path=base_path,
                        task_type=task_type, fan_in_fan_out=flipped)
+
+
+def stores_in_out(model: "nn.Module", lora: dict) -> bool:
+    """Whether the modules `lora`'s (listed) targets name on `model` are transformers'
+    ``Conv1D``, weights stored (in, out): peft's ``fan_in_fan_out``. An adapted module
+    counts by its base layer (a model that holds adapters already)."""
+    from transformers.pytorch_utils import Conv1D
+
+    targets = lora["target_modules"]
+    named = [m for n, m in model.named_modules() if targets != ALL_LINEAR and any(_matches(n, t) for t in targets)]
+    return bool(named) and all(isinstance(getattr(m, "base_layer", m), Conv1D) for m in named)
 
 
 def apply_lora(model: "nn.Module", lora: dict, *, model_name: str) -> "nn.Module":
