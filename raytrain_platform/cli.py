@@ -38,6 +38,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     print(f"valid: {job.config.summary()}")
     for note in job.notes:  # `auto` fields, decided on this machine; `rtp train` asks the cluster
         print(f"{note} (on this machine)")
+    for warning in job.warnings:
+        print(warning)
     print(f"data: {job.data.num_train} training / {job.data.num_val} validation samples; "
           f"{job.steps_per_epoch} optimizer steps per epoch; schedule spans {job.total_steps} steps")
     return 0

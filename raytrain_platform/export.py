@@ -175,13 +175,13 @@ def _write_peft(model: nn.Module, cfg: JobConfig, target: Path) -> None:
     that ``peft.PeftModel.from_pretrained(base, DIR)`` loads over the base model."""
     from transformers import PreTrainedModel
 
-    from raytrain_platform.models.lora import adapter_state, peft_config
+    from raytrain_platform.models.lora import adapted_peft_config, adapter_state
 
     if cfg.model.lora is None:
         raise ConfigError("--format", "peft", "safetensors or hf for a run without model.lora (a PEFT "
                           "adapter directory holds LoRA adapters)")
     # A causal LM of transformers loads as PeftModelForCausalLM; another module as a PeftModel.
     task_type = "CAUSAL_LM" if isinstance(model, PreTrainedModel) else None
-    config = peft_config(cfg.model.lora, base_path=cfg.model.kwargs.get("path"), task_type=task_type)
+    config = adapted_peft_config(model, cfg.model.lora, base_path=cfg.model.kwargs.get("path"), task_type=task_type)
     config.save_pretrained(str(target))
     write_state(target / "adapter_model.safetensors", adapter_state(model), format="pt")

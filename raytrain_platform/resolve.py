@@ -16,16 +16,15 @@ import os
 from dataclasses import dataclass
 
 from raytrain_platform.config import JobConfig
-from raytrain_platform.data.dealing import whole_rounds
 from raytrain_platform.data.jsonl import check_fits
 from raytrain_platform.data.sources import DataInfo, SourceSpec, describe
 from raytrain_platform.errors import ConfigError, DataError
-from raytrain_platform.models.lora import check_targets
+from raytrain_platform.models.lora import resolve_targets
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.plan.auto import Hardware, has_auto, local_hardware, resolve_auto
 
-__all__ = ["ResolvedJob", "resolve_job", "val_rounds"]
+__all__ = ["ResolvedJob", "resolve_job"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +34,7 @@ class ResolvedJob:
     steps_per_epoch: int  # optimizer steps in one pass over the training split
     total_steps: int  # what the LR schedule spans
     notes: tuple[str, ...] = ()  # what the `auto` fields became, and why (plan/auto.py)
+    warnings: tuple[str, ...] = ()  # what the run goes on without (an empty validation split)
 
     @property
     def global_batch(self) -> int:
@@ -57,7 +57,7 @@ class ResolvedJob:
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "data": dataclasses.asdict(self.data),
                 "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "warnings": list(self.warnings)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ResolvedJob":
@@ -65,15 +65,7 @@ class ResolvedJob:
         data["feature_columns"] = tuple(data.get("feature_columns", ()))
         return cls(config=JobConfig.from_dict(d["config"]), data=DataInfo(**data),
                    steps_per_epoch=d["steps_per_epoch"], total_steps=d["total_steps"],
-                   notes=tuple(d.get("notes", ())))
-
-
-def val_rounds(job: ResolvedJob) -> int:
-    """Whole rounds of one validation micro-batch per rank: every rank evaluates the
-    same number of batches (resolve_job guarantees at least one round)."""
-    cfg = job.config
-    return whole_rounds(job.data.num_val, batch_size=cfg.data.micro_batch,
-                        world=ParallelDims.from_config(cfg).dp)
+                   notes=tuple(d.get("notes", ())), warnings=tuple(d.get("warnings", ())))
 
 
 def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJob:
@@ -97,8 +89,12 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
     # User builders: imported, called with their kwargs on the meta device (no memory).
     needs_blocks = next(iter(cfg.parallel.block_options_set()), None)
     family.precheck(cfg.model.kwargs, block_class=cfg.model.block_class, needs_blocks=needs_blocks)
-    if cfg.model.lora is not None:  # every target names Linear modules (a meta-device build: no memory)
-        check_targets(family.build(cfg.model.kwargs, device="meta"), cfg.model.lora, model_name=cfg.model.name)
+    if cfg.model.lora is not None:  # every target names linear modules (a meta-device build: no memory)
+        # the default, peft's all-linear, becomes the names it picks on this model: the summary shows them
+        lora = resolve_targets(family.build(cfg.model.kwargs, device="meta"), cfg.model.lora,
+                               model_name=cfg.model.name)
+        if lora != cfg.model.lora:
+            cfg = cfg.replace({"model.lora": lora})
     notes: list[str] = []
     if has_auto(cfg):
         cfg, notes = resolve_auto(cfg, hardware or local_hardware(cfg))
@@ -117,12 +113,9 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
         raise DataError(
             f"the training split has {info.num_train} rows, fewer than one optimizer step needs: "
             f"{ranks} x data.batch_size ({batch}) x train.grad_accum_steps ({accum}) = {cfg.global_batch}")
-    has_val = cfg.data.val_fraction > 0 or cfg.data.val_path
-    if has_val and info.num_val < world * batch:
-        raise DataError(
-            f"the validation split has {info.num_val} rows, fewer than {ranks} "
-            f"x data.batch_size ({batch}) = {world * batch}; raise data.val_fraction, or set it to 0 "
-            "to skip validation")
+    # A validation split smaller than a round of micro-batches is evaluated as it is
+    # (data/dealing.py deal_eval); an empty one is said once, and the run trains on.
+    warnings = _val_warnings(cfg, info.num_val)
     if cfg.scaling.elastic:
         _check_elastic(cfg)
     limits = []
@@ -131,7 +124,25 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
     if cfg.train.epochs:
         limits.append(cfg.train.epochs * steps_per_epoch)
     return ResolvedJob(config=cfg, data=info, steps_per_epoch=steps_per_epoch, total_steps=min(limits),
-                       notes=tuple(notes))
+                       notes=tuple(notes), warnings=warnings)
+
+
+def _val_warnings(cfg: JobConfig, num_val: int) -> tuple[str, ...]:
+    """The sentence for a validation split that was asked for and has no sample; a
+    `DataError` for one a pipeline cannot evaluate (less than one whole micro-batch: its
+    stages have fixed shapes)."""
+    d = cfg.data
+    if not (d.val_fraction > 0 or d.val_path):
+        return ()
+    asked = f"data.val_path {d.val_path!r}" if d.val_path else f"data.val_fraction {d.val_fraction}"
+    if num_val == 0:
+        return (f"warning: the validation split ({asked}) has no samples; training goes on without "
+                "evaluation",)
+    if cfg.parallel.pp_size > 1 and num_val < d.micro_batch:
+        raise DataError(f"the validation split has {num_val} rows, fewer than one micro-batch "
+                        f"(data.batch_size {d.micro_batch}) for pipeline stages of fixed shape; raise "
+                        f"{asked.split()[0]}, or set data.val_fraction to 0 to skip validation")
+    return ()
 
 
 def _check_elastic(cfg: JobConfig) -> None:

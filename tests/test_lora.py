@@ -65,7 +65,8 @@ def _job(cfg: dict):
     ({"target_modules": ["q_proj", "qkv"]}, "model.lora.target_modules",
      "names of Linear modules of model 'hf': it has ['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', "
      "'q_proj', 'up_proj', 'v_proj']"),
-    ({"target_modules": ["embed_tokens"]}, "model.lora.target_modules", "(model.embed_tokens is of class Embedding, not nn.Linear)"),
+    ({"target_modules": ["embed_tokens"]}, "model.lora.target_modules",
+     "(model.embed_tokens is of class Embedding, not nn.Linear or Conv1D)"),
 ])
 def test_bad_lora_sections_are_one_line(tmp_path, tiny, lora, field, needle):
     from raytrain_platform.errors import ConfigError

@@ -182,8 +182,9 @@ class JobConfig:
             f"{t.max_steps} steps" if t.max_steps else "", f"{t.epochs} epochs" if t.epochs else "") if x)
         global_batch = self.global_batch
         lora = self.model.lora
-        adapters = (f" with LoRA r {lora['r']} on {', '.join(lora['target_modules'])} (only the adapters train)"
-                    if lora else "")
+        targets: Any = lora["target_modules"] if lora else ""  # all-linear until resolve_job names them
+        names = targets if isinstance(targets, str) else ", ".join(targets)
+        adapters = f" with LoRA r {lora['r']} on {names} (only the adapters train)" if lora else ""
         par = self.parallel
         split = [x for x in (f"tp {par.tp_size}" if par.tp_size > 1 else "",
                              f"pp {par.pp_size} {par.pp_schedule}" if par.pp_size > 1 else "") if x]

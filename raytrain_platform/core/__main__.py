@@ -19,6 +19,7 @@ import torch
 
 from raytrain_platform.config import add_set_flag, load_config
 from raytrain_platform.core.dist import barrier, init_torchrun
+from raytrain_platform.core.adapters import trainable_share
 from raytrain_platform.core.checkpoint import read_state, split_changed_warning
 from raytrain_platform.core.engine import run_training
 from raytrain_platform.data.local import LocalBatches
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             time.sleep(2.0)
         return 2
+    if os.environ.get("RANK", "0") == "0":  # said once, by the first rank
+        for said in job.warnings:
+            print(said, file=sys.stderr, flush=True)
     torch.set_num_threads(cfg.scaling.torch_threads or max(1, math.floor(cfg.scaling.cpus_per_worker)))
     env = init_torchrun(use_gpu=cfg.scaling.use_gpu, cpu_offload=cfg.parallel.cpu_offload)
     run_dir = Path(cfg.run.run_dir)
@@ -99,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     tracked.log_artifacts([run_dir / CONFIG_FILE])
     tracked.finish()
     if env.is_rank0:
-        print(f"done: {final.get('step', 0)} steps, final loss {final.get('loss', float('nan')):.4f}")
+        print(f"done: {final.get('step', 0)} steps, final loss {final.get('loss', float('nan')):.4f}"
+              f"{trainable_share(final)}")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0

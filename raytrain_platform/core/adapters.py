@@ -32,7 +32,8 @@ from raytrain_platform.errors import CheckpointError
 from raytrain_platform.models.lora import is_adapter
 from raytrain_platform.models.registry import get_family
 
-__all__ = ["base_identity", "check_base", "fingerprint", "param_counts", "reset_adapters", "run_base"]
+__all__ = ["base_identity", "check_base", "fingerprint", "param_counts", "reset_adapters", "run_base",
+           "trainable_share"]
 
 _SAMPLE = 4096
 
@@ -60,6 +61,21 @@ def param_counts(model: nn.Module) -> dict[str, int]:
     params = list(model.parameters())
     return {"num_params": sum(p.numel() for p in params),
             "trainable_params": sum(p.numel() for p in params if p.requires_grad)}
+
+
+def trainable_share(counts: dict) -> str:
+    """``"; 6,144 of 1,181,696 parameters trainable (0.52%)"`` for a run that trains part of
+    its model (LoRA), from `param_counts`' keys; ``""`` otherwise.
+
+    >>> trainable_share({"num_params": 200, "trainable_params": 1})
+    '; 1 of 200 parameters trainable (0.50%)'
+    >>> trainable_share({"num_params": 200, "trainable_params": 200})
+    ''
+    """
+    total, trained = counts.get("num_params"), counts.get("trainable_params")
+    if not total or trained is None or trained >= total:
+        return ""
+    return f"; {trained:,} of {total:,} parameters trainable ({100 * trained / total:.2f}%)"
 
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit on a header's size

@@ -30,6 +30,7 @@ from raytrain_platform.core.dist import DistEnv, all_reduce_sum
 from raytrain_platform.core.nonfinite import NonFiniteGuard
 from raytrain_platform.core.optim import build_optimizer, lr_at
 from raytrain_platform.core.profile import StepProfiler
+from raytrain_platform.data.dealing import EVAL_PAD
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.tasks import get_task
 from raytrain_platform.parallel.dims import ParallelDims
@@ -228,18 +229,25 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> dict[str, float]:
+        """Validation metrics over every rank's `batches`: loss, count and correct summed
+        over them and over the ranks, then divided (a token-weighted mean for an LM). A
+        batch marked `EVAL_PAD` runs (its forward is a collective) and adds nothing."""
         self.wrapped.module.eval()
         sums = torch.zeros(3)
         for batch in batches:
+            counts = not batch.get(EVAL_PAD)
+            batch = {k: v for k, v in batch.items() if k != EVAL_PAD}
             inputs, targets = self.task.split(self._to_device(batch))
             with self.autocast:
                 if self.wrapped.pipeline is not None:  # sums on the last stage, zeros before it
-                    sums += self.wrapped.pipeline.evaluate(inputs, targets, self.task.eval_sums).cpu()
+                    part = self.wrapped.pipeline.evaluate(inputs, targets, self.task.eval_sums).cpu()
+                    sums += part if counts else 0
                     continue
                 with counted_positions(self._head_for(batch), targets) as kept:
                     outputs = self.wrapped.module(inputs)
                 targets = kept.targets(self.task.logits(outputs))
-            sums += self.task.eval_sums(outputs, targets).cpu()
+            part = self.task.eval_sums(outputs, targets).cpu()
+            sums += part if counts else 0
         self.wrapped.module.train()
         return self.task.eval_metrics(all_reduce_sum(sums.to(self.env.device)).cpu())
 

@@ -179,7 +179,21 @@ def save_sharded(directory: str | os.PathLike, *, module: nn.Module,
     with `adapters_only` (LoRA), the trainable parameters only, not the frozen base."""
     model_sd, optim_sd = get_state_dict(module, optimizer,
                                         options=StateDictOptions(ignore_frozen_params=adapters_only))
+    if adapters_only:
+        model_sd = _trained_only(module, model_sd)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(directory) / SHARDED_DIR))
+
+
+def _trained_only(module: nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """`model_sd` without frozen parameters that ``ignore_frozen_params`` keeps: a tied
+    weight's second name (GPT-2's ``lm_head.weight``, the frozen embedding's) is not
+    among the parameters torch checks, which it lists once each."""
+    # torch's own name cleaning (compile and checkpoint-wrapper prefixes), as ignore_frozen_params does
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    frozen = {fqn for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad
+              for fqn in _get_fqns(module, n)}
+    return {k: v for k, v in model_sd.items() if k not in frozen}
 
 
 def load_sharded(directory: str | os.PathLike, *, module: nn.Module,
@@ -193,6 +207,8 @@ def load_sharded(directory: str | os.PathLike, *, module: nn.Module,
     parameter's state by its first name, the embedding's; the copies' states are equal)."""
     options = StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
     model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
+    if adapters_only:
+        model_sd = _trained_only(module, model_sd)
     wanted: dict[str, Any] = optim_sd.get("state", {})  # type: ignore[assignment]
     moved = {name: other for name, other in (optim_aliases or {}).items() if name in wanted}
     for name, other in moved.items():

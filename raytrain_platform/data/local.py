@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from raytrain_platform.data import sources
-from raytrain_platform.data.dealing import deal, whole_rounds
+from raytrain_platform.data.dealing import deal, deal_eval, eval_micro_batches, whole_rounds
 from raytrain_platform.data.sources import SourceSpec
 
 __all__ = ["LocalBatches"]
@@ -37,5 +37,11 @@ class LocalBatches:
                            world=world)
 
     def val_batches(self, n: int) -> list[dict[str, torch.Tensor]]:
-        rounds = whole_rounds(self.job.data.num_val, batch_size=self.batch, world=self.world)
-        return list(self._dealt("val", min(n, rounds), world=self.world))
+        # The first n micro-batches per rank, the last one partial (data/dealing.py deal_eval).
+        whole = self.job.config.parallel.pp_size > 1  # a pipeline's stages have fixed shapes
+        micro = eval_micro_batches(self.job.data.num_val, batch_size=self.batch, world=self.world, most=n,
+                                   whole=whole)
+        stream = sources.rebatch(sources.iter_source(self.spec, "val", self.job.data.feature_columns),
+                                 self.batch, tail=not whole)
+        tensors = ({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in b.items()} for b in stream)
+        return deal_eval(tensors, rank=self.rank % self.world, world=self.world, micro=micro)

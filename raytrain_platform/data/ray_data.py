@@ -174,7 +174,7 @@ def _eval_dataset(spec: SourceSpec, cfg: "JobConfig", info: DataInfo) -> "ray.da
 
     most_read = cfg.run.eval_batches * cfg.data.micro_batch * ParallelDims.from_config(cfg).dp
     rows = sources.head(spec, "val", min(info.num_val, most_read))
-    assert rows is not None, "resolve_job checks that the validation split fills a round"
+    assert rows is not None, "build_datasets reads a validation split only when it has rows"
     return ray.data.from_arrow(BlockAccessor.batch_to_block(rows))
 
 

@@ -376,7 +376,7 @@ def train(config: Any, overrides: list[str] | None = None, *, address: str | Non
         job = prepare(cfg)
         init_ray(address, verbose)
     emit(job.config.summary())
-    for note in job.notes:
+    for note in (*job.notes, *job.warnings):
         emit(note)
     return run_job(job, emit=emit)
 
@@ -468,13 +468,15 @@ def finish_run(run_dir: Path, *, wall_time_s: float, emit: Callable[[str], None]
     metrics = read_metrics(run_dir)
     latest, best = latest_checkpoint(run_dir), best_checkpoint(run_dir)
     final = metrics[-1] if metrics else {}
+    from raytrain_platform.core.adapters import trainable_share  # imports torch: not at the driver's start
+
     summary = {"run_dir": str(run_dir), "steps": final.get("step", 0), "final": final,
                "wall_time_s": round(wall_time_s, 3), "latest_checkpoint": str(latest) if latest else None,
                "best_checkpoint": str(best) if best else None,
                **{k: final[k] for k in ("num_params", "trainable_params") if k in final}}
     write_json(run_dir / SUMMARY_FILE, summary)
     plot = plot_run(run_dir, metrics)
-    emit(f"done: {final.get('step', 0)} steps in {wall_time_s:.1f}s; run dir {run_dir}"
+    emit(f"done: {final.get('step', 0)} steps in {wall_time_s:.1f}s{trainable_share(final)}; run dir {run_dir}"
          + (f"; plot {plot}" if plot else ""))
     return TrainResult(run_dir=run_dir, metrics=metrics, checkpoint=latest, best_checkpoint=best,
                        summary=summary)

@@ -17,10 +17,10 @@ import torch
 
 from raytrain_platform.core.dist import DistEnv
 from raytrain_platform.core.engine import run_training
-from raytrain_platform.data.dealing import deal
+from raytrain_platform.data.dealing import deal, deal_eval, eval_micro_batches
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.core.profile import StepProfiler
-from raytrain_platform.resolve import ResolvedJob, val_rounds
+from raytrain_platform.resolve import ResolvedJob
 from raytrain_platform.core.rundir import checkpoint_name, write_json
 
 __all__ = ["as_tensors", "train_loop_per_worker"]
@@ -52,16 +52,17 @@ class RayBatches:
         self.train_it = ray.train.get_dataset_shard("train")
         self.val_it = ray.train.get_dataset_shard("val") if job.data.num_val else None
 
-    def _iter(self, it, *, shuffle_seed: int | None):
+    def _iter(self, it, *, shuffle_seed: int | None, drop_last: bool = True):
         """Micro-batches of `it`; shuffled locally with `data.shuffle_buffer` and
-        `shuffle_seed`, in source order when that is None."""
+        `shuffle_seed`, in source order when that is None; the last, shorter one kept
+        unless `drop_last`."""
         # numpy batches wrapped zero-copy here, not iter_torch_batches: its per-batch
         # Arrow -> tensor collate runs in Python threads that hold the GIL against the
         # training step (benchmarks/train_vs_loop.py measures the difference).
         d = self.cfg.data
         shuffle = d.shuffle_buffer if shuffle_seed is not None else 0
         batches = it.iter_batches(
-            batch_size=d.micro_batch, batch_format="numpy", drop_last=True,
+            batch_size=d.micro_batch, batch_format="numpy", drop_last=drop_last,
             prefetch_batches=d.prefetch_batches, local_shuffle_buffer_size=shuffle or None,
             local_shuffle_seed=shuffle_seed if shuffle else None)
         return map(as_tensors, batches)
@@ -76,13 +77,17 @@ class RayBatches:
         return self._iter(self.train_it, shuffle_seed=seed)
 
     def val_batches(self, n: int):
-        # The same count on every rank (whole rounds only): under FSDP every forward is a
-        # collective, and a rank with one batch more would wait for the others forever.
-        # Ranks of one TP/PP group evaluate the same batches (their forwards are collective).
-        # Never shuffled: each rank deals from the same order, so the ranks' batches are
-        # disjoint and every evaluation sees the same samples.
-        return list(deal(self._iter(self.val_it, shuffle_seed=None), rank=self.data_rank,
-                         world=self.data_world, rounds=min(n, val_rounds(self.job))))
+        # The same count on every rank (deal_eval pads a rank short of a round): under FSDP
+        # every forward is a collective, and a rank with one batch more would wait for the
+        # others forever. Ranks of one TP/PP group evaluate the same batches (their forwards
+        # are collective). Never shuffled: each rank deals from the same order, so the
+        # ranks' batches are disjoint and every evaluation sees the same samples. The last
+        # micro-batch may be partial, except under a pipeline (its stages have fixed shapes).
+        whole = self.cfg.parallel.pp_size > 1
+        micro = eval_micro_batches(self.job.data.num_val, batch_size=self.cfg.data.micro_batch,
+                                   world=self.data_world, most=n, whole=whole)
+        return deal_eval(self._iter(self.val_it, shuffle_seed=None, drop_last=whole), rank=self.data_rank,
+                         world=self.data_world, micro=micro)
 
 
 class RayReporter:

@@ -15,14 +15,22 @@ then writes the adapter, not the model). Checked with peft 0.21 and torch 2.13: 
 injected model builds on the meta device, and FSDP2 ``fully_shard`` per decoder layer
 trains only the adapters.
 
-A target names modules by the end of their path, as peft matches them (``q_proj``
+The default target, ``all-linear``, is peft's own rule (``peft.tuners.tuners_utils.
+_maybe_include_all_linear_layers``): every ``nn.Linear`` and transformers ``Conv1D``
+(GPT-2's ``c_attn``, ``c_fc``, ``c_proj``) but the output layer. It is resolved against the
+model (`resolve_targets`, a meta-device build in resolve.py) into the names the run's
+summary shows, e.g. ``[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]``
+on Llama, ``[query_key_value, dense, dense_h_to_4h, dense_4h_to_h]`` on GPT-NeoX. An
+explicit list names modules by the end of their path, as peft matches them (``q_proj``
 matches ``model.layers.3.self_attn.q_proj``); each target must match at least one
-``nn.Linear`` (otherwise one line naming the Linear modules the model has).
+``nn.Linear`` or ``Conv1D`` (otherwise one line naming the ones the model has).
 
 No torch at module level: the config layer checks the section through `resolve_lora`.
 
 >>> resolve_lora({"r": 4})["target_modules"]
-['q_proj', 'v_proj']
+'all-linear'
+>>> resolve_lora({"target_modules": "q_proj"})["target_modules"]
+['q_proj']
 >>> resolve_lora({"r": 0})
 Traceback (most recent call last):
 ...
@@ -40,12 +48,14 @@ from raytrain_platform.errors import ConfigError
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["ADAPTER", "LORA_DEFAULTS", "adapter_state", "apply_lora", "base_source_name", "check_targets",
-           "is_adapter", "linear_names", "merge_lora", "peft_config", "resolve_lora"]
+__all__ = ["ADAPTER", "ALL_LINEAR", "LORA_DEFAULTS", "adapted_peft_config", "adapter_state", "apply_lora",
+           "base_source_name", "check_targets", "is_adapter", "linear_names", "merge_lora", "model_peft_config",
+           "peft_config", "resolve_lora", "resolve_targets", "stores_in_out"]
 
 ADAPTER = "default"  # peft's adapter name: every run trains one adapter
-# q and v projections: the original LoRA paper's choice, and peft's default for Llama.
-LORA_DEFAULTS: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+ALL_LINEAR = "all-linear"  # peft.utils.constants.INCLUDE_LINEAR_LAYERS_SHORTHAND
+# Every linear layer of the attention and MLP blocks, as peft picks them on any architecture.
+LORA_DEFAULTS: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ALL_LINEAR}
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.")
 
 
@@ -65,12 +75,14 @@ def resolve_lora(section: Any) -> dict:
         raise ConfigError("model.lora.alpha", alpha, "a finite number > 0 (adapter outputs are scaled by alpha / r)")
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
         raise ConfigError("model.lora.dropout", dropout, "a number in [0, 1)")
+    if targets == ALL_LINEAR:
+        return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": ALL_LINEAR}
     if isinstance(targets, str):
         targets = [targets]
     if (not isinstance(targets, list) or not targets
             or not all(isinstance(t, str) and t and not t.startswith(".") for t in targets)):
-        raise ConfigError("model.lora.target_modules", targets, "a non-empty list of module names "
-                          "(the end of their path, e.g. [q_proj, v_proj])")
+        raise ConfigError("model.lora.target_modules", targets, f"{ALL_LINEAR!r} (the default) or a non-empty "
+                          "list of module names (the end of their path, e.g. [q_proj, v_proj])")
     return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": list(dict.fromkeys(targets))}
 
 
@@ -79,42 +91,124 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def linear_names(model: "nn.Module") -> list[str]:
-    """Paths of the model's ``nn.Linear`` modules."""
+def _is_linear(module: "nn.Module") -> bool:
+    """peft's linear layers: ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2's)."""
     from torch import nn
+    from transformers.pytorch_utils import Conv1D
 
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return isinstance(module, (nn.Linear, Conv1D))
+
+
+def linear_names(model: "nn.Module") -> list[str]:
+    """Paths of the model's ``nn.Linear`` and ``Conv1D`` modules."""
+    return [name for name, m in model.named_modules() if _is_linear(m)]
+
+
+def _all_linear(model: "nn.Module", model_name: str) -> list[str]:
+    """peft's ``all-linear`` pick, in module order. peft leaves out the output layer of a
+    transformers model (``get_output_embeddings``); the family's `output_head` does the
+    same for any other model (the builtin gpt's ``lm_head``)."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+
+    from raytrain_platform.models.registry import get_family
+
+    picked = set(_maybe_include_all_linear_layers(LoraConfig(target_modules=ALL_LINEAR), model).target_modules)
+    head = get_family(model_name).output_head(model)
+    return [name for name, m in model.named_modules() if name in picked and m is not head]
 
 
 def check_targets(model: "nn.Module", lora: dict, *, model_name: str) -> list[str]:
-    """The Linear modules `lora`'s targets pick (built on the meta device, this is free);
-    a `ConfigError` for a model with no Linear layer or a target that matches none."""
+    """The paths of the Linear / Conv1D modules `lora`'s targets pick, in module order
+    (built on the meta device, this is free); a `ConfigError` for a model with no linear
+    layer or a target that matches none."""
     linears = linear_names(model)
     if not linears:
         classes = sorted({type(m).__name__ for m in model.modules()})[:8]
         raise ConfigError("model.lora", lora, f"a model with nn.Linear layers for LoRA adapters; model "
                           f"{model_name!r} has none (its modules are {classes})")
+    if lora["target_modules"] == ALL_LINEAR:
+        picked = _all_linear(model, model_name)
+        if not picked:
+            raise ConfigError("model.lora.target_modules", ALL_LINEAR, f"a list of module names: model "
+                              f"{model_name!r} has no linear layer but its output layer ({linears})")
+        return picked
     short = sorted({n.rsplit(".", 1)[-1] for n in linears})
-    picked = []
+    hit: set[str] = set()
     for target in lora["target_modules"]:
         hits = [n for n in linears if _matches(n, target)]
         if not hits:
             other = [n for n, _ in model.named_modules() if n and _matches(n, target)]
-            why = f" ({other[0]} is of class {type(model.get_submodule(other[0])).__name__}, not nn.Linear)" if other else ""
+            why = (f" ({other[0]} is of class {type(model.get_submodule(other[0])).__name__}, not nn.Linear "
+                   "or Conv1D)" if other else "")
             raise ConfigError("model.lora.target_modules", target, f"names of Linear modules of model "
                               f"{model_name!r}{why}: it has {short}")
-        picked += hits
-    return sorted(set(picked))
+        hit.update(hits)
+    return [n for n in linears if n in hit]
 
 
-def peft_config(lora: dict, *, base_path: str | None = None, task_type: str | None = None) -> Any:
-    """The ``peft.LoraConfig`` of ``model.lora`` (targets as their matched module names are
-    matched by peft, so peft adapts exactly the modules `check_targets` listed)."""
+def _names(model: "nn.Module", picked: list[str]) -> list[str]:
+    """`picked` as peft targets: their last names (in module order) when those match
+    exactly the picked modules and no other, else the full paths."""
+    short = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in picked))
+    matched = {n for n, _ in model.named_modules() if n and any(_matches(n, t) for t in short)}
+    return short if matched == set(picked) else list(picked)
+
+
+def resolve_targets(model: "nn.Module", lora: dict, *, model_name: str) -> dict:
+    """`lora` with ``all-linear`` replaced by the modules it picks on `model` (an explicit
+    list is checked and kept as it is)."""
+    picked = check_targets(model, lora, model_name=model_name)
+    if lora["target_modules"] != ALL_LINEAR:
+        return dict(lora)
+    return {**lora, "target_modules": _names(model, picked)}
+
+
+def peft_config(lora: dict, *, base_path: str | None = None, task_type: str | None = None,
+                fan_in_fan_out: bool = False) -> Any:
+    """The ``peft.LoraConfig`` of ``model.lora``. `fan_in_fan_out`: the targets store
+    their weight as (in, out), as transformers' ``Conv1D`` does."""
     from peft import LoraConfig
 
+    targets = lora["target_modules"]
     return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                      target_modules=list(lora["target_modules"]), bias="none",
-                      base_model_name_or_path=base_path, task_type=task_type)
+                      target_modules=targets if targets == ALL_LINEAR else list(targets), bias="none",
+                      fan_in_fan_out=fan_in_fan_out, base_model_name_or_path=base_path, task_type=task_type)
+
+
+def model_peft_config(model: "nn.Module", lora: dict, *, model_name: str, base_path: str | None = None,
+                      task_type: str | None = None) -> Any:
+    """The ``peft.LoraConfig`` that adapts exactly the modules `check_targets` picks on
+    `model`: ``all-linear`` resolved here (peft would keep a non-transformers model's
+    output layer), and ``fan_in_fan_out`` set when the targets are ``Conv1D``."""
+    from transformers.pytorch_utils import Conv1D
+
+    picked = check_targets(model, lora, model_name=model_name)
+    conv1d = all(isinstance(model.get_submodule(n), Conv1D) for n in picked)
+    return peft_config({**lora, "target_modules": _names(model, picked)}, base_path=base_path,
+                       task_type=task_type, fan_in_fan_out=conv1d)
+
+
+def adapted_peft_config(model: "nn.Module", lora: dict, *, base_path: str | None = None,
+                        task_type: str | None = None) -> Any:
+    """The ``peft.LoraConfig`` describing `model`'s injected adapters as they are: the
+    modules that hold one, and ``fan_in_fan_out`` as peft set it on them (what an adapter
+    directory saves, for ``PeftModel.from_pretrained`` to adapt the same modules)."""
+    adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and ADAPTER in m.lora_A]
+    flipped = any(getattr(model.get_submodule(n), "fan_in_fan_out", False) for n in adapted)
+    return peft_config({**lora, "target_modules": _names(model, adapted)}, base_path=base_path,
+                       task_type=task_type, fan_in_fan_out=flipped)
+
+
+def stores_in_out(model: "nn.Module", lora: dict) -> bool:
+    """Whether the modules `lora`'s (listed) targets name on `model` are transformers'
+    ``Conv1D``, weights stored (in, out): peft's ``fan_in_fan_out``. An adapted module
+    counts by its base layer (a model that holds adapters already)."""
+    from transformers.pytorch_utils import Conv1D
+
+    targets = lora["target_modules"]
+    named = [m for n, m in model.named_modules() if targets != ALL_LINEAR and any(_matches(n, t) for t in targets)]
+    return bool(named) and all(isinstance(getattr(m, "base_layer", m), Conv1D) for m in named)
 
 
 def apply_lora(model: "nn.Module", lora: dict, *, model_name: str) -> "nn.Module":
@@ -123,8 +217,8 @@ def apply_lora(model: "nn.Module", lora: dict, *, model_name: str) -> "nn.Module
     the meta device too, and are initialised after ``to_empty`` (core/adapters.py)."""
     from peft import inject_adapter_in_model
 
-    check_targets(model, lora, model_name=model_name)
-    model = inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
+    config = model_peft_config(model, lora, model_name=model_name)
+    model = inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
     return model

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from raytrain_platform.config import JobConfig
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.guide import LABELS, Option, make_plan
-from raytrain_platform.plan.lora import lora_size
+from raytrain_platform.plan.lora import model_lora_size
 from raytrain_platform.models.family import ModelFamily
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.models.shapes import ModelShape
@@ -184,7 +184,9 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
                      precision=t.precision, optimizer=t.optimizer, headroom=hw.headroom,
                      activation_checkpointing=cfg.parallel.activation_checkpointing, **pins, refused=refused,
                      # LoRA: the frozen base, and DDP or FSDP only (plan/lora.py)
-                     lora=None if lora is None else lora_size(shape, r=lora["r"], targets=lora["target_modules"]))
+                     lora=None if lora is None else model_lora_size(
+                         get_family(cfg.model.name).build(cfg.model.kwargs, device="meta"), lora,
+                         model_name=cfg.model.name))
     budget = f"{format_size(plan.request.budget)} per worker ({hw.source})"
     why, changes = [], {}
     if cfg.parallel.strategy == "auto":

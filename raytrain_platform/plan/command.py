@@ -22,7 +22,7 @@ from raytrain_platform.config import add_set_flag, load_config
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.auto import refused_splits
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
-from raytrain_platform.plan.lora import DEFAULT_TARGETS, LoraSize, lora_size
+from raytrain_platform.plan.lora import DEFAULT_TARGETS, LoraSize, lora_size, model_lora_size
 from raytrain_platform.models.hf_shapes import hf_config_shape
 from raytrain_platform.models.registry import FAMILIES, family_names, get_family
 from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, preset_shape
@@ -177,7 +177,9 @@ def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
         "refused": refused_splits(family, kwargs, shape, pp_schedule=cfg.parallel.pp_schedule,
                                   pp_split=cfg.parallel.pp_split)}
     if cfg.model.lora is not None:
-        defaults["lora"] = lora_size(shape, r=cfg.model.lora["r"], targets=cfg.model.lora["target_modules"])
+        # counted on the model itself (a meta-device build): the modules the run adapts
+        defaults["lora"] = model_lora_size(family.build(kwargs, device="meta"), cfg.model.lora,
+                                           model_name=cfg.model.name)
     return shape, defaults
 
 

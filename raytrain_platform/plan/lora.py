@@ -9,22 +9,34 @@ gradients. Activations are those of full fine-tuning: backward still runs throug
 every block to reach the first adapters. The rank-``r`` intermediates are left out
 (``r`` values per token per adapter).
 
+With a model to build (a config's ``model``), `model_lora_size` counts the modules the
+run adapts on that model itself, built on the meta device (`models.lora.check_targets`:
+peft's ``all-linear`` by default); from a shape alone (``rtp plan --lora-r``),
+`lora_size` counts a decoder's projections, ``all-linear`` being all but ``lm_head``.
+
 >>> from raytrain_platform.plan.shapes import preset_shape
 >>> lora_size(preset_shape("llama2-7b"), r=16, targets=("q_proj", "v_proj"))
 LoraSize(params=8388608, tensors=128, r=16, targets=('q_proj', 'v_proj'))
+>>> lora_size(preset_shape("llama2-7b"), r=16, targets=DEFAULT_TARGETS).targets
+('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from raytrain_platform.errors import ConfigError
+from raytrain_platform.models.lora import ALL_LINEAR
 from raytrain_platform.plan.shapes import ModelShape
 
-__all__ = ["DEFAULT_R", "DEFAULT_TARGETS", "LoraSize", "lora_size"]
+if TYPE_CHECKING:
+    from torch import nn
 
-# What `rtp plan` suggests when full fine-tuning fits nowhere: all attention projections.
-DEFAULT_R, DEFAULT_TARGETS = 16, ("q_proj", "k_proj", "v_proj", "o_proj")
+__all__ = ["DEFAULT_R", "DEFAULT_TARGETS", "LoraSize", "lora_size", "model_lora_size"]
+
+# What `rtp plan` suggests when full fine-tuning fits nowhere: model.lora's default targets.
+DEFAULT_R, DEFAULT_TARGETS = 16, (ALL_LINEAR,)
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,9 @@ def lora_size(model: ModelShape, *, r: int, targets: tuple[str, ...] | list[str]
     if not (isinstance(r, int) and r >= 1):
         raise ConfigError("--lora-r", r, "an integer >= 1")
     linears = _linears(model)
+    if targets == ALL_LINEAR or tuple(targets) == (ALL_LINEAR,):  # every projection, in a decoder layer's order
+        targets = tuple(n for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+                        if n in linears)
     params = tensors = 0
     for target in targets:
         name = target.rsplit(".", 1)[-1]
@@ -68,3 +83,21 @@ def lora_size(model: ModelShape, *, r: int, targets: tuple[str, ...] | list[str]
         params += count * r * (fan_in + fan_out)
         tensors += 2 * count
     return LoraSize(params=params, tensors=tensors, r=r, targets=tuple(targets))
+
+
+def model_lora_size(model: "nn.Module", lora: dict, *, model_name: str) -> LoraSize:
+    """The adapters of ``model.lora`` `lora` on the modules it picks on `model` (a
+    meta-device build is enough): ``r x (in + out)`` for each, as peft makes them."""
+    from torch import nn
+
+    from raytrain_platform.models.lora import check_targets, resolve_targets
+
+    picked = check_targets(model, lora, model_name=model_name)
+    params = 0
+    for name in picked:
+        m = model.get_submodule(name)
+        # nn.Linear's weight is (out, in); transformers' Conv1D stores (in, out)
+        fan_in, fan_out = (m.in_features, m.out_features) if isinstance(m, nn.Linear) else getattr(m, "weight").shape
+        params += lora["r"] * (fan_in + fan_out)
+    targets = resolve_targets(model, lora, model_name=model_name)["target_modules"]
+    return LoraSize(params=params, tensors=2 * len(picked), r=lora["r"], targets=tuple(targets))

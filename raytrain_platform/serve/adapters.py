@@ -88,7 +88,7 @@ class SharedBases:
         from raytrain_platform.core.checkpoint import read_state
         from raytrain_platform.inference import (attach_adapters, find_checkpoint, load_job_config, load_lora_base,
                                                  read_adapters)
-        from raytrain_platform.models.lora import peft_config
+        from raytrain_platform.models.lora import peft_config, stores_in_out
         from raytrain_platform.models.registry import get_family
 
         ckpt = find_checkpoint(Path(checkpoint))
@@ -105,7 +105,8 @@ class SharedBases:
         name = f"m{next(self._loads)}_" + re.sub(r"\W", "_", model_id)  # peft adapter names: no dots
         with warnings.catch_warnings():  # "multiple adapters in the model": that is the intent
             warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
-            inject_adapter_in_model(peft_config(lora), base, adapter_name=name)
+            config = peft_config(lora, fan_in_fan_out=stores_in_out(base, lora))  # GPT-2's Conv1D: (in, out)
+            inject_adapter_in_model(config, base, adapter_name=name)
         attach_adapters(base, read_adapters(ckpt, sharded=bool(read_state(ckpt).get("sharded"))), ckpt=ckpt,
                         adapter=name)
         base.to(self.device)
