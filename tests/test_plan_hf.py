@@ -137,10 +137,11 @@ LLAMA31_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 3
 def test_meta_build_gives_the_formula_shape(config):
     """Every field the per-family formula gave (the 4 Llama-style types it knew) comes out
     the same from the model built on meta; dense models: all parameters active, no notes."""
-    moe = ("expert_params", "num_experts", "experts_per_tok", "active_params", "notes")  # fields added with it
+    # fields added with it (the LoRA linears: checked against peft's adapters below)
+    added = ("expert_params", "num_experts", "experts_per_tok", "active_params", "notes", "linears")
     new, old = hf_shape(config, seq_len=512).to_dict(), _formula_shape(config, 512).to_dict()
-    assert {k: v for k, v in new.items() if k not in moe} == {k: v for k, v in old.items() if k not in moe}
-    assert [new[k] for k in moe] == [0, 0, 0, old["num_params"], ()]
+    assert {k: v for k, v in new.items() if k not in added} == {k: v for k, v in old.items() if k not in added}
+    assert [new[k] for k in added[:-1]] == [0, 0, 0, old["num_params"], ()]
 
 
 @pytest.mark.parametrize("config, params", [
@@ -447,6 +448,17 @@ def test_plan_counts_every_architecture_exactly(capsys, arch_dirs, arch):
     assert out["num_params"] == out["first_params"] + 2 * out["layer_params"] + out["last_params"]
     assert out["first_params"] >= model.get_input_embeddings().weight.numel()
     assert out["tied"] == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    # LoRA on the suggested targets: the adapters peft itself adds (GPT-2's Conv1D too)
+    from peft import LoraConfig, get_peft_model
+
+    from raytrain_platform.plan.lora import default_targets, lora_size
+
+    shape = hf_shape(model.config)
+    targets = default_targets(shape)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=list(targets)))
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    size = lora_size(shape, r=4, targets=targets)
+    assert (size.params, size.tensors) == (sum(p.numel() for p in trainable), len(trainable)), targets
     llama_style = arch in ("llama", "qwen2", "qwen3", "mistral")
     assert (out["notes"] == []) == llama_style, out["notes"]
     if not llama_style:

@@ -28,6 +28,7 @@ modeling module is imported (about 1 s the first time).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from raytrain_platform.errors import ConfigError, first_line
@@ -117,10 +118,11 @@ def _experts(block: "nn.Module") -> tuple[int, int, int, int]:
         if isinstance(n, int) and n > 1 and not hasattr(module, "top_k") and own \
                 and all(p.dim() >= 2 and p.shape[0] == n for p in own):
             params, experts = params + sum(p.numel() for p in module.parameters()), n
-            width = getattr(module, "intermediate_dim", 0)
+            inner = getattr(module, "intermediate_dim", None)
+            width = inner if isinstance(inner, int) else 0
     if not experts:
         return 0, 0, 0, 0
-    top_k = next((m.top_k for m in block.modules() if isinstance(getattr(m, "top_k", None), int)), None)
+    top_k = next((k for k in (getattr(m, "top_k", None) for m in block.modules()) if isinstance(k, int)), None)
     if top_k is None:
         raise ConfigError("model.kwargs.path", type(block).__name__, "a mixture of experts whose router has "
                           "top_k (the experts each token uses) for rtp plan")
@@ -131,6 +133,23 @@ def _counts(params: list["nn.Parameter"], sharded: set[int]) -> tuple[int, int, 
     """(parameters, tensors, of them TP-sharded, matmul weights: 2-D and up)."""
     return (sum(p.numel() for p in params), len(params), sum(p.numel() for p in params if id(p) in sharded),
             sum(p.numel() for p in params if p.dim() >= 2))
+
+
+def _linears(model: "nn.Module") -> tuple[tuple[str, int, int, int], ...]:
+    """The layers peft's LoRA adapts (``nn.Linear``, GPT-2's ``Conv1D``, whose weight is
+    in x out) by their last name: (name, in, out, how many)."""
+    from collections import Counter
+
+    from torch import nn
+
+    found: Counter[tuple[str, int, int]] = Counter()
+    for path, module in model.named_modules():
+        name = path.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear):
+            found[name, module.in_features, module.out_features] += 1
+        elif type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int):
+            found[name, int(module.weight.shape[0]), module.nf] += 1
+    return tuple((name, fan_in, fan_out, n) for (name, fan_in, fan_out), n in found.items())
 
 
 def _text_sizes(config: Any) -> dict[str, int]:
@@ -146,10 +165,25 @@ def _text_sizes(config: Any) -> dict[str, int]:
             "max_positions": getattr(text, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN}
 
 
+def _notes(model_type: str, blocks: list["nn.Module"], block_params: list[int]) -> tuple[str, ...]:
+    """Where the estimate is not exact: blocks of different sizes, a block the
+    activation formula does not describe."""
+    notes = []
+    if len(set(block_params)) > 1:
+        notes.append(f"layers differ ({min(block_params):,} to {max(block_params):,} parameters): "
+                     "per-rank bytes take the largest")
+    names = {n for n, _ in blocks[0].named_parameters()} if blocks else set()
+    if not _LLAMA_BLOCK <= names <= _LLAMA_BLOCK | _LLAMA_OPTIONAL:
+        notes.append(f"activations: estimated with the Llama-style formula; not exact for {model_type}")
+    return tuple(notes)
+
+
 def model_shape(model: "nn.Module", *, blocks: list["nn.Module"], tp_plan: dict[str, str] | None,
                 name: str, seq_len: int) -> ModelShape:
     """The `ModelShape` of a (meta) transformers causal LM with these `blocks` and TP plan."""
     from torch import nn
+
+    lm: Any = model  # a transformers PreTrainedModel: its embeddings' getters, its config
 
     sharded = _tp_sharded(model, tp_plan)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -159,23 +193,17 @@ def model_shape(model: "nn.Module", *, blocks: list["nn.Module"], tp_plan: dict[
     last = [p for p in every if id(p) not in embeddings and id(p) not in in_blocks]
     per_block = [_counts(list(b.parameters()), sharded) for b in blocks]
     layer = max(per_block, default=(0, 0, 0, 0))
-    head = model.get_output_embeddings()
-    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    head = lm.get_output_embeddings()
+    tied = head is not None and head.weight is lm.get_input_embeddings().weight
     moe = [_experts(b) for b in blocks]
     expert_params = sum(m[0] for m in moe)
     active = sum(p.numel() for p in every) - expert_params + sum(m[0] * m[2] // m[1] for m in moe if m[1])
     routed = next((m for m in moe if m[1]), (0, 0, 0, 0))
-    sizes, notes = _text_sizes(model.config), []
+    sizes = _text_sizes(lm.config)
     if routed[3]:  # the MLP activations a token makes: its experts' (the formula's one MLP)
         sizes["ffn_hidden"] = routed[2] * routed[3]
-    if len(set(per_block)) > 1:
-        notes.append(f"layers differ ({min(b[0] for b in per_block):,} to {layer[0]:,} parameters): "
-                     "per-rank bytes take the largest")
-    if not blocks or not _LLAMA_BLOCK <= {n for n, _ in blocks[0].named_parameters()} <= _LLAMA_BLOCK | _LLAMA_OPTIONAL:
-        notes.append("activations: estimated with the Llama-style formula; not exact for "
-                     f"{model.config.model_type}")
     last_counts = _counts(last, sharded)
-    attention = getattr(model.config, "_attn_implementation", None)
+    attention = getattr(lm.config, "_attn_implementation", None)
     return ModelShape(
         name=name, kind="transformer", num_params=sum(p.numel() for p in every), num_tensors=len(every),
         n_layer=len(blocks), layer_params=layer[0], layer_tensors=layer[1],
@@ -187,7 +215,8 @@ def model_shape(model: "nn.Module", *, blocks: list["nn.Module"], tp_plan: dict[
         if blocks else False, attention="eager" if attention == "eager" else "sdpa",
         tp_last_params=last_counts[2], tied=tied, n_kv_head=sizes["n_kv_head"],
         expert_params=expert_params, num_experts=routed[1], experts_per_tok=routed[2],
-        active_params=active, notes=tuple(notes))
+        active_params=active, notes=_notes(lm.config.model_type, blocks, [b[0] for b in per_block]),
+        linears=_linears(model))
 
 
 def hf_shape(config: dict | Any, *, name: str = "hf", seq_len: int | None = None,
@@ -217,4 +246,6 @@ def hf_shape(config: dict | Any, *, name: str = "hf", seq_len: int | None = None
     except (ConfigError, AttributeError, TypeError):  # no TP plan for this architecture
         plan = None
     blocks = [m for _, m in family.blocks(model)]
-    return model_shape(model, blocks=blocks, tp_plan=plan, name=name, seq_len=seq_len)
+    shape = model_shape(model, blocks=blocks, tp_plan=plan, name=name, seq_len=seq_len)
+    # the attention transformers picks (eager where the architecture needs it), or the job's
+    return replace(shape, attention="eager") if (kwargs or {}).get("attn_implementation") == "eager" else shape

@@ -63,6 +63,9 @@ class ModelShape:
     experts_per_tok: int = 0
     active_params: int = 0
     notes: tuple[str, ...] = ()  # where the estimate is not exact for this model, said in the output
+    # Linear layers LoRA can adapt: (module name, in features, out features, how many),
+    # read off a built model; empty: plan/lora.py derives them from the sizes.
+    linears: tuple[tuple[str, int, int, int], ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)

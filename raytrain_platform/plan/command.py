@@ -22,7 +22,8 @@ from raytrain_platform.config import add_set_flag, load_config
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.auto import refused_splits
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
-from raytrain_platform.plan.lora import DEFAULT_TARGETS, LoraSize, lora_size
+from raytrain_platform.plan.lora import DEFAULT_TARGETS, LoraSize, default_targets, lora_size
+from raytrain_platform.models.hf import HFFamily
 from raytrain_platform.models.hf_shapes import hf_shape
 from raytrain_platform.models.registry import FAMILIES, family_names, get_family
 from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, preset_shape
@@ -72,7 +73,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-r", help="plan a LoRA run: adapters of this rank, the base frozen (a config's "
                    "model.lora is read without it)")
     p.add_argument("--lora-targets", help="with --lora-r: Linear modules to adapt, comma-separated "
-                   f"(default {','.join(DEFAULT_TARGETS)})")
+                   f"(default {','.join(DEFAULT_TARGETS)} where the model has them, else its Linear layers but the head)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -136,6 +137,7 @@ def _hf_shape(model: str, *, seq_len: int | None) -> ModelShape:
         reason = f"line {exc.lineno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else str(exc)
         raise ConfigError("--model", model, f"{what} ({path} is not JSON: {reason})") from None
     family = get_family("hf")
+    assert isinstance(family, HFFamily), "the registry's hf family"
     try:  # the family's checks (auto_map, a causal LM), then the meta build
         kwargs = family.resolve_kwargs({"path": str(path.parent), "init": "random"})
         # (default seq_len: the model's limit, at most DEFAULT_MAX_SEQ_LEN)
@@ -227,7 +229,7 @@ def _lora(args: argparse.Namespace, shape: ModelShape, defaults: dict) -> LoraSi
         if args.lora_targets is not None:
             raise ConfigError("--lora-targets", args.lora_targets, "set together with --lora-r")
         return defaults.get("lora")
-    targets = DEFAULT_TARGETS if args.lora_targets is None else tuple(
+    targets = default_targets(shape) if args.lora_targets is None else tuple(
         t.strip() for t in args.lora_targets.split(",") if t.strip())
     if not targets:
         raise ConfigError("--lora-targets", args.lora_targets, "comma-separated module names, like q_proj,v_proj")

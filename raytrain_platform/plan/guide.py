@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from raytrain_platform.errors import ConfigError
-from raytrain_platform.plan.lora import DEFAULT_R, DEFAULT_TARGETS, LoraSize, lora_size
+from raytrain_platform.plan.lora import DEFAULT_R, LoraSize, default_targets, lora_size
 from raytrain_platform.plan.memory import Layout, MemoryEstimate, estimate_memory
 from raytrain_platform.plan.shapes import ModelShape
 from raytrain_platform.units import format_size
@@ -433,7 +433,7 @@ def _lora_instead(req: PlanRequest, reasons: list[str]) -> tuple[Option | None, 
     # Pinned TP/PP sizes above 1 are a model-parallel request (LoRA has no TP/PP plan).
     if req.lora is not None or req.model.kind != "transformer" or (req.tp or 1) > 1 or (req.pp or 1) > 1:
         return None, None
-    size = lora_size(req.model, r=DEFAULT_R, targets=DEFAULT_TARGETS)
+    size = lora_size(req.model, r=DEFAULT_R, targets=default_targets(req.model))
     alt = make_plan(**{**req.__dict__, "lora": size})
     if alt.recommended is None:
         return None, None

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.shapes import ModelShape
 
-__all__ = ["DEFAULT_R", "DEFAULT_TARGETS", "LoraSize", "lora_size"]
+__all__ = ["DEFAULT_R", "DEFAULT_TARGETS", "LoraSize", "default_targets", "lora_size"]
 
 # What `rtp plan` suggests when full fine-tuning fits nowhere: all attention projections.
 DEFAULT_R, DEFAULT_TARGETS = 16, ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -37,16 +37,32 @@ class LoraSize:
     targets: tuple[str, ...]
 
 
-def _linears(model: ModelShape) -> dict[str, tuple[int, int, int]]:
-    """Linear modules by name: (in features, out features, how many in the model)."""
+def _linears(model: ModelShape) -> dict[str, list[tuple[int, int, int]]]:
+    """Linear modules by name: (in features, out features, how many in the model) for
+    each size of that name (GPT-2's two ``c_proj``). A shape read off a built model
+    lists its own; else the decoder's, from its sizes."""
+    if model.linears:
+        out: dict[str, list[tuple[int, int, int]]] = {}
+        for name, fan_in, fan_out, count in model.linears:
+            out.setdefault(name, []).append((fan_in, fan_out, count))
+        return out
     h, f, L = model.hidden, model.ffn_hidden, model.n_layer
-    head_dim = h // model.n_head  # Llama, Mistral, Qwen2 and GPT-2 (Qwen3 may set its own)
+    head_dim = h // model.n_head  # Llama, Mistral, Qwen2 and GPT-2
     q, kv = model.n_head * head_dim, (model.n_kv_head or model.n_head) * head_dim
-    out = {"q_proj": (h, q, L), "k_proj": (h, kv, L), "v_proj": (h, kv, L), "o_proj": (q, h, L),
-           "up_proj": (h, f, L), "down_proj": (f, h, L), "lm_head": (h, model.vocab, 1)}
+    sizes = {"q_proj": (h, q, L), "k_proj": (h, kv, L), "v_proj": (h, kv, L), "o_proj": (q, h, L),
+             "up_proj": (h, f, L), "down_proj": (f, h, L), "lm_head": (h, model.vocab, 1)}
     if model.gated_mlp:
-        out["gate_proj"] = (h, f, L)
-    return out
+        sizes["gate_proj"] = (h, f, L)
+    return {name: [size] for name, size in sizes.items()}
+
+
+def default_targets(model: ModelShape) -> tuple[str, ...]:
+    """What `rtp plan` suggests: the attention projections of `DEFAULT_TARGETS` the model
+    has, else every Linear layer but the LM head (peft's ``all-linear``: GPT-2, Phi-3's
+    fused projections)."""
+    linears = _linears(model)
+    found = tuple(t for t in DEFAULT_TARGETS if t in linears)
+    return found or tuple(n for n, sizes in linears.items() if all(out != model.vocab for _, out, _ in sizes))
 
 
 def lora_size(model: ModelShape, *, r: int, targets: tuple[str, ...] | list[str]) -> LoraSize:
@@ -64,7 +80,7 @@ def lora_size(model: ModelShape, *, r: int, targets: tuple[str, ...] | list[str]
         if name not in linears:
             raise ConfigError("model.lora.target_modules", target, f"one of {sorted(linears)} for rtp plan "
                               f"(the Linear modules of a {'gated ' if model.gated_mlp else ''}decoder)")
-        fan_in, fan_out, count = linears[name]
-        params += count * r * (fan_in + fan_out)
-        tensors += 2 * count
+        for fan_in, fan_out, count in linears[name]:
+            params += count * r * (fan_in + fan_out)
+            tensors += 2 * count
     return LoraSize(params=params, tensors=tensors, r=r, targets=tuple(targets))
