@@ -138,10 +138,12 @@ def test_meta_build_gives_the_formula_shape(config):
     """Every field the per-family formula gave (the 4 Llama-style types it knew) comes out
     the same from the model built on meta; dense models: all parameters active, no notes."""
     # fields added with it (the LoRA linears: checked against peft's adapters below)
-    added = ("expert_params", "num_experts", "experts_per_tok", "active_params", "notes", "linears")
+    added = ("expert_params", "num_experts", "experts_per_tok", "active_params", "notes", "linears",
+             "tp_first_params")
     new, old = hf_shape(config, seq_len=512).to_dict(), _formula_shape(config, 512).to_dict()
     assert {k: v for k, v in new.items() if k not in added} == {k: v for k, v in old.items() if k not in added}
-    assert [new[k] for k in added[:-1]] == [0, 0, 0, old["num_params"], ()]
+    assert [new[k] for k in added[:-2]] == [0, 0, 0, old["num_params"], ()]
+    assert new["tp_first_params"] == old["first_params"]  # the embedding: all split, as the formula had it
 
 
 @pytest.mark.parametrize("config, params", [
@@ -500,3 +502,34 @@ def test_rtp_plan_cli_for_every_architecture(arch_dirs):
         assert proc.returncode == 0, (arch, proc.stderr)
         assert json.loads(proc.stdout)["model"]["num_params"] == sum(
             p.numel() for p in _loaded(folder).parameters()), arch
+
+
+def test_tp_bytes_follow_the_family_tp_plan():
+    """What TP shards is read from the family's `tp_plan` on the meta model: Mixtral's
+    upstream plan (attention only, the experts replicated), an entry naming a parameter
+    (a fused expert tensor), and a plan naming a module the model lacks (none sharded)."""
+    from hf_archs import arch_config
+
+    from raytrain_platform.models.hf import HFFamily
+
+    config = arch_config("mixtral", vocab_size=300, bos=1, eos=2, pad=0)
+
+    class Plan(HFFamily):
+        def __init__(self, entries: dict[str, str]):
+            self.entries = entries
+
+        def tp_plan(self, model, kwargs):
+            return {f"model.layers.{i}.{path}": kind for i in range(len(model.model.layers))
+                    for path, kind in self.entries.items()}
+
+    attention = {f"self_attn.{p}_proj": "rowwise" if p == "o" else "colwise" for p in "qkvo"}
+    real = _real_model(config)
+    layer = real.model.layers[0]
+    attn = sum(p.numel() for n, p in layer.named_parameters() if n.startswith("self_attn.") and "norm" not in n)
+    shape = hf_shape(config, family=Plan(attention))
+    assert shape.tp_layer_params == attn and 0 < attn < shape.layer_params
+    est = estimate_memory(model=shape, layout=Layout(tp=2))
+    assert est.local_params == shape.num_params - 2 * attn // 2  # the 2 layers' attention halved, nothing else
+    experts = hf_shape(config, family=Plan({**attention, "mlp.experts.gate_up_proj": "colwise"}))
+    assert experts.tp_layer_params == attn + layer.mlp.experts.gate_up_proj.numel()
+    assert hf_shape(config, family=Plan({"self_attn.qkv_proj": "colwise"})).tp_layer_params == 0

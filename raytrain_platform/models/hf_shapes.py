@@ -208,6 +208,7 @@ def model_shape(model: "nn.Module", *, blocks: list["nn.Module"], tp_plan: dict[
         name=name, kind="transformer", num_params=sum(p.numel() for p in every), num_tensors=len(every),
         n_layer=len(blocks), layer_params=layer[0], layer_tensors=layer[1],
         first_params=sum(p.numel() for p in first), first_tensors=len(first),
+        tp_first_params=sum(p.numel() for p in first if id(p) in sharded),
         last_params=last_counts[0], last_tensors=last_counts[1], tp_layer_params=layer[2],
         layer_matmul_params=layer[3], last_matmul_params=0 if head is None else head.weight.numel(),
         hidden=sizes["hidden"], n_head=sizes["n_head"], seq_len=seq_len, vocab=sizes["vocab"],

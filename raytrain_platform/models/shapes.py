@@ -54,6 +54,7 @@ class ModelShape:
     widths: tuple[int, ...] = ()  # mlp: input, hidden..., outputs
     exact: bool = True
     tp_last_params: int = 0  # of last_params, those TP shards (an untied LM head)
+    tp_first_params: int | None = None  # of first_params, those TP shards (None: all, by rows)
     tied: bool = False  # the LM head is the token embedding (counted in first_params)
     n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: as many as n_head
     # Mixture of experts: parameters of the routed experts (all blocks), experts per

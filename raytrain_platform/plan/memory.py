@@ -208,7 +208,8 @@ def _ends(model: ModelShape, part: RankPart, tp: int) -> tuple[int, int]:
     row-split embeddings, the replicated final norm, the column-split LM head."""
     params = tensors = 0
     if part.first:
-        params, tensors = -(-model.first_params // tp), model.first_tensors
+        split = model.first_params if model.tp_first_params is None else model.tp_first_params
+        params, tensors = model.first_params - split + -(-split // tp), model.first_tensors
     if part.last:
         params += model.last_params - model.tp_last_params + -(-model.tp_last_params // tp)
         tensors += model.last_tensors
