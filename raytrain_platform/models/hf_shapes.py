@@ -54,14 +54,13 @@ def auto_config_of(config: dict) -> Any:
     """transformers' config object for a ``config.json`` dict (its class's defaults for
     the keys left out); an unknown ``model_type`` is a `ConfigError`."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if not isinstance(config, dict):
         raise ConfigError("config.json", type(config).__name__, "a JSON object (a Hugging Face model config)")
     if "auto_map" in config:
         raise ConfigError("model.kwargs.path", config.get("model_type"), "a model transformers knows without "
                           "the directory's own code (auto_map needs trust_remote_code: refused)")
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ConfigError("model.kwargs.path", model_type, f"a model_type transformers knows "
