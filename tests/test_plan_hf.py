@@ -533,3 +533,20 @@ def test_tp_bytes_follow_the_family_tp_plan():
     experts = hf_shape(config, family=Plan({**attention, "mlp.experts.gate_up_proj": "colwise"}))
     assert experts.tp_layer_params == attn + layer.mlp.experts.gate_up_proj.numel()
     assert hf_shape(config, family=Plan({"self_attn.qkv_proj": "colwise"})).tp_layer_params == 0
+
+
+def test_layers_of_different_sizes_are_said_and_counted():
+    """Qwen3-MoE with a dense first layer (``mlp_only_layers``): the experts of the other
+    layer only, the total exact, and a note that per-rank bytes take the largest layer."""
+    from hf_archs import arch_config
+
+    config = arch_config("qwen3_moe", vocab_size=300, bos=1, eos=2, pad=0, mlp_only_layers=[0])
+    real = _real_model(config)
+    experts = sum(p.numel() for n, p in real.named_parameters() if ".mlp.experts." in n)
+    shape = hf_shape(config)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in real.model.layers]
+    assert sizes[0] != sizes[1] and shape.layer_params == max(sizes)
+    assert shape.num_params == sum(p.numel() for p in real.parameters())
+    assert (shape.expert_params, shape.active_params) == (experts, shape.num_params - experts // 2)  # 2 of 4
+    assert shape.notes[0] == (f"layers differ ({min(sizes):,} to {max(sizes):,} parameters): "
+                              "per-rank bytes take the largest")

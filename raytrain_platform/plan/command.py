@@ -73,7 +73,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-r", help="plan a LoRA run: adapters of this rank, the base frozen (a config's "
                    "model.lora is read without it)")
     p.add_argument("--lora-targets", help="with --lora-r: Linear modules to adapt, comma-separated "
-                   f"(default {','.join(DEFAULT_TARGETS)} where the model has them, else its Linear layers but the head)")
+                   f"(default {','.join(DEFAULT_TARGETS)} where the model has them, else its Linear "
+                   "layers but the head)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
