@@ -339,12 +339,14 @@ def test_peft_and_merged_hf_exports_load_with_our_logits(runs, tiny, tmp_path):
 def test_plan_lora_state_bytes_equal_the_measured_ones(runs, tiny, layout, shard):
     """The planner's parameter, gradient and optimizer bytes for this LoRA run equal what
     the engine measured on rank 0 (exact shape from config.json, plan/lora.py sizes)."""
-    from raytrain_platform.models.hf_shapes import hf_config_shape
+    from raytrain_platform.models.hf_shapes import hf_shape
+    from raytrain_platform.models.registry import get_family
     from raytrain_platform.plan.lora import lora_size
     from raytrain_platform.plan.memory import Layout, estimate_memory
 
     measured = runs[layout][-1]
-    shape = hf_config_shape(json.loads((tiny["model"] / "config.json").read_text()), name="tiny", seq_len=32)
+    shape = hf_shape(json.loads((tiny["model"] / "config.json").read_text()), name="tiny", seq_len=32,
+                     family=get_family("hf"))
     size = lora_size(shape, r=LORA["r"], targets=LORA["target_modules"])
     assert size.params == measured["trainable_params"]
     est = estimate_memory(model=shape, layout=Layout(dp=shard, shard=shard), lora=size)

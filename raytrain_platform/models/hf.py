@@ -275,18 +275,17 @@ class HFFamily(ModelFamily):
         if model_type not in LLAMA_STYLE_TYPES:
             raise ConfigError(field_, size, f"1 for model_type {model_type!r} (a tensor-parallel plan and a "
                               f"pipeline split exist for {list(LLAMA_STYLE_TYPES)})")
-        from raytrain_platform.models.hf_shapes import hf_config_shape
-
+        # The sizes the model is built with: what a config.json leaves out comes from
+        # transformers' defaults for its type (32 and 8 for mistral), a null
+        # num_key_value_heads is num_attention_heads.
+        sizes = self.auto_config(kwargs).get_text_config()
         if pp > 1:
-            check_stage_counts(hf_config_shape(config).n_layer, "num_hidden_layers", pp=pp, stages=stages,
+            check_stage_counts(sizes.num_hidden_layers, "num_hidden_layers", pp=pp, stages=stages,
                                pp_split=pp_split, unit="layer")
         if tp == 1:
             return
-        # The head counts the model is built with, as the planner reads them: what a
-        # config.json leaves out comes from transformers' defaults for its type (32 and 8
-        # for mistral), a null num_key_value_heads is num_attention_heads.
-        shape = hf_config_shape(config)
-        heads, kv_heads = shape.n_head, shape.n_kv_head or shape.n_head
+        heads = sizes.num_attention_heads
+        kv_heads = getattr(sizes, "num_key_value_heads", None) or heads
         if heads % tp or kv_heads % tp:
             raise ConfigError("parallel.tp_size", tp, f"a divisor of num_attention_heads ({heads}) and "
                               f"num_key_value_heads ({kv_heads}): each TP rank holds whole heads")
@@ -317,10 +316,11 @@ class HFFamily(ModelFamily):
 
     # ---- planner, export, serving ----------------------------------------------------------------
     def shape(self, kwargs: dict, *, seq_len: int | None = None) -> "ModelShape":
-        from raytrain_platform.models.hf_shapes import hf_config_shape
+        """Exact counts from the model built on the meta device (models/hf_shapes.py)."""
+        from raytrain_platform.models.hf_shapes import hf_shape
 
-        return hf_config_shape(self._config(kwargs), name=Path(kwargs["path"]).name or "hf",
-                               seq_len=seq_len or self.default_seq_len(kwargs))
+        return hf_shape(self.auto_config(kwargs), name=Path(kwargs["path"]).name or "hf",
+                        seq_len=seq_len or self.default_seq_len(kwargs), family=self, kwargs=kwargs)
 
     def export_hf(self, model: "nn.Module", kwargs: dict, out: str, *, tokenizer: str | None = None,
                   max_shard_size: str = "5GB") -> None:

@@ -24,8 +24,9 @@ __all__ = ["ModelShape", "transformer_shape", "gpt_shape", "mlp_shape"]
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A model as the planner sees it. Invariant:
-    ``num_params == first_params + n_layer * layer_params + last_params``."""
+    """A model as the planner sees it. Invariant (blocks of one size):
+    ``num_params == first_params + n_layer * layer_params + last_params``; where blocks
+    differ, ``layer_params`` is the largest and a note says so."""
 
     name: str
     kind: str  # "transformer" (repeated blocks) | "dense" (Linear layers of different widths)
@@ -53,8 +54,19 @@ class ModelShape:
     widths: tuple[int, ...] = ()  # mlp: input, hidden..., outputs
     exact: bool = True
     tp_last_params: int = 0  # of last_params, those TP shards (an untied LM head)
+    tp_first_params: int | None = None  # of first_params, those TP shards (None: all, by rows)
     tied: bool = False  # the LM head is the token embedding (counted in first_params)
     n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: as many as n_head
+    # Mixture of experts: parameters of the routed experts (all blocks), experts per
+    # block, those each token uses; active_params: parameters one token uses (0: dense).
+    expert_params: int = 0
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    active_params: int = 0
+    notes: tuple[str, ...] = ()  # where the estimate is not exact for this model, said in the output
+    # Linear layers LoRA can adapt: (module name, in features, out features, how many),
+    # read off a built model; empty: plan/lora.py derives them from the sizes.
+    linears: tuple[tuple[str, int, int, int], ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)

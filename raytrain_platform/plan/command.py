@@ -23,7 +23,8 @@ from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.auto import refused_splits
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
 from raytrain_platform.plan.lora import DEFAULT_TARGETS, LoraSize, lora_size, model_lora_size
-from raytrain_platform.models.hf_shapes import hf_config_shape
+from raytrain_platform.models.hf import HFFamily
+from raytrain_platform.models.hf_shapes import hf_shape
 from raytrain_platform.models.registry import FAMILIES, family_names, get_family
 from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, preset_shape
 from raytrain_platform.units import SIZE_HELP, parse_count, parse_size
@@ -72,7 +73,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-r", help="plan a LoRA run: adapters of this rank, the base frozen (a config's "
                    "model.lora is read without it)")
     p.add_argument("--lora-targets", help="with --lora-r: Linear modules to adapt, comma-separated "
-                   f"(default {','.join(DEFAULT_TARGETS)})")
+                   f"(default {','.join(DEFAULT_TARGETS)}: peft's rule, every Linear layer but the head)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -119,7 +120,8 @@ def _no_size_flags(args: argparse.Namespace, what: str, **values: int | None) ->
 
 
 def _hf_shape(model: str, *, seq_len: int | None) -> ModelShape:
-    """``--model hf:DIR``: the exact shape of the Llama-style decoder DIR/config.json describes."""
+    """``--model hf:DIR``: the exact shape of the causal LM DIR/config.json describes,
+    built on the meta device by transformers (the `hf` family's shape)."""
     folder = model[len("hf:"):]
     what = "hf:DIR, DIR a Hugging Face model folder with a config.json"
     if not folder:
@@ -130,17 +132,20 @@ def _hf_shape(model: str, *, seq_len: int | None) -> ModelShape:
     if not path.is_file():
         raise ConfigError("--model", model, f"{what} (no {path})")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         reason = f"line {exc.lineno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else str(exc)
         raise ConfigError("--model", model, f"{what} ({path} is not JSON: {reason})") from None
-    try:
-        return hf_config_shape(config, name=model, seq_len=seq_len)
+    family = get_family("hf")
+    assert isinstance(family, HFFamily), "the registry's hf family"
+    try:  # the family's checks (auto_map, a causal LM), then the meta build
+        kwargs = family.resolve_kwargs({"path": str(path.parent), "init": "random"})
+        # (default seq_len: the model's limit, at most DEFAULT_MAX_SEQ_LEN)
+        return hf_shape(family.auto_config(kwargs), name=model, seq_len=seq_len, family=family, kwargs=kwargs)
     except ConfigError as exc:
-        if exc.field != "model.kwargs.path":
+        if not exc.field.startswith("model.kwargs"):
             raise
-        raise ConfigError("--model", model, f"{exc.allowed} (its config.json has model_type "
-                          f"{exc.value!r})") from None
+        raise ConfigError("--model", model, exc.allowed) from None
 
 
 def _family_shape_from_flags(name: str, *, layers: int | None, hidden: int | None, heads: int | None,
@@ -284,6 +289,11 @@ def format_plan(plan: Plan) -> str:
     if req.lora is not None:
         lines.insert(2, f"LoRA: rank {req.lora.r} on {', '.join(req.lora.targets)}, {req.lora.params:,} trainable "
                         "parameters; the base is frozen (no gradients or optimizer state for it)")
+    if m.num_experts:
+        lines.insert(1, f"experts: {m.expert_params:,} parameters in {m.num_experts} routed experts per layer, "
+                        f"{m.experts_per_tok} used per token: {m.active_params:,} active parameters per token "
+                        "(FSDP shards the experts with their layer)")
+    lines[1:1] = list(m.notes)
     head = ("strategy", "dev", "dp", "tp", "pp", "shard", "micro x n", "params", "grads", "optim",
             "activ", "other", "total", "fits")
     rows = [head]

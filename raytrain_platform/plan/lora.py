@@ -12,7 +12,8 @@ every block to reach the first adapters. The rank-``r`` intermediates are left o
 With a model to build (a config's ``model``), `model_lora_size` counts the modules the
 run adapts on that model itself, built on the meta device (`models.lora.check_targets`:
 peft's ``all-linear`` by default); from a shape alone (``rtp plan --lora-r``),
-`lora_size` counts a decoder's projections, ``all-linear`` being all but ``lm_head``.
+`lora_size` counts the Linear layers a shape lists (read off the built model by
+`rtp plan`; a preset's are a decoder's projections), ``all-linear`` being all but the LM head.
 
 >>> from raytrain_platform.plan.shapes import preset_shape
 >>> lora_size(preset_shape("llama2-7b"), r=16, targets=("q_proj", "v_proj"))
@@ -49,16 +50,22 @@ class LoraSize:
     targets: tuple[str, ...]
 
 
-def _linears(model: ModelShape) -> dict[str, tuple[int, int, int]]:
-    """Linear modules by name: (in features, out features, how many in the model)."""
+def _linears(model: ModelShape) -> dict[str, list[tuple[int, int, int]]]:
+    """Linear modules by name: (in features, out features, how many in the model) for
+    each size of that name (GPT-2's two ``c_proj``), in a block's order. A shape read off
+    a built model lists its own; else the decoder's, from its sizes."""
+    if model.linears:
+        out: dict[str, list[tuple[int, int, int]]] = {}
+        for name, fan_in, fan_out, count in model.linears:
+            out.setdefault(name, []).append((fan_in, fan_out, count))
+        return out
     h, f, L = model.hidden, model.ffn_hidden, model.n_layer
-    head_dim = h // model.n_head  # Llama, Mistral, Qwen2 and GPT-2 (Qwen3 may set its own)
+    head_dim = h // model.n_head  # Llama, Mistral, Qwen2 and GPT-2
     q, kv = model.n_head * head_dim, (model.n_kv_head or model.n_head) * head_dim
-    out = {"q_proj": (h, q, L), "k_proj": (h, kv, L), "v_proj": (h, kv, L), "o_proj": (q, h, L),
-           "up_proj": (h, f, L), "down_proj": (f, h, L), "lm_head": (h, model.vocab, 1)}
-    if model.gated_mlp:
-        out["gate_proj"] = (h, f, L)
-    return out
+    sizes = {"q_proj": (h, q, L), "k_proj": (h, kv, L), "v_proj": (h, kv, L), "o_proj": (q, h, L),
+             **({"gate_proj": (h, f, L)} if model.gated_mlp else {}),
+             "up_proj": (h, f, L), "down_proj": (f, h, L), "lm_head": (h, model.vocab, 1)}
+    return {name: [size] for name, size in sizes.items()}
 
 
 def lora_size(model: ModelShape, *, r: int, targets: tuple[str, ...] | list[str]) -> LoraSize:
@@ -70,18 +77,17 @@ def lora_size(model: ModelShape, *, r: int, targets: tuple[str, ...] | list[str]
     if not (isinstance(r, int) and r >= 1):
         raise ConfigError("--lora-r", r, "an integer >= 1")
     linears = _linears(model)
-    if targets == ALL_LINEAR or tuple(targets) == (ALL_LINEAR,):  # every projection, in a decoder layer's order
-        targets = tuple(n for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-                        if n in linears)
+    if targets == ALL_LINEAR or tuple(targets) == (ALL_LINEAR,):  # peft's rule: every Linear but the LM head
+        targets = tuple(n for n, sizes in linears.items() if all(out != model.vocab for _, out, _ in sizes))
     params = tensors = 0
     for target in targets:
         name = target.rsplit(".", 1)[-1]
         if name not in linears:
             raise ConfigError("model.lora.target_modules", target, f"one of {sorted(linears)} for rtp plan "
                               f"(the Linear modules of a {'gated ' if model.gated_mlp else ''}decoder)")
-        fan_in, fan_out, count = linears[name]
-        params += count * r * (fan_in + fan_out)
-        tensors += 2 * count
+        for fan_in, fan_out, count in linears[name]:
+            params += count * r * (fan_in + fan_out)
+            tensors += 2 * count
     return LoraSize(params=params, tensors=tensors, r=r, targets=tuple(targets))
 
 

@@ -12,9 +12,10 @@ parallel/pp.py, tp.py and fsdp.py. Pipeline rank ``r`` holds its stages' blocks
 (``parallel.pp_split``, or balanced with earlier stages taking the remainder, as
 parallel/dims.py `stage_blocks` splits them; interleaved 1F1B: stages ``r`` and
 ``r + pp``), the embeddings with stage 0 and the final norm and LM head with the last
-stage (a tied head: the last stage keeps its own copy of the embedding). TP divides the
-blocks' linear layers, the embeddings (by rows: vocabulary, positions) and the LM head
-(by columns) by ``tp``; norms and row-parallel biases stay replicated. FSDP divides
+stage (a tied head: the last stage keeps its own copy of the embedding). TP divides
+what the model's TP plan shards (the shape's ``tp_*_params``: the blocks' linear layers,
+the embeddings by rows, the LM head by columns) by ``tp``; norms, row-parallel biases
+and what the plan leaves out (a Mixture of Experts' experts) stay replicated. FSDP divides
 what is left by its shard degree. Bytes: parameters 4, gradients 4, AdamW 8 (exp_avg,
 exp_avg_sq) plus one 4-byte ``step`` tensor per parameter tensor (torch keeps it; on
 CUDA it lives on the host unless ``capturable``), SGD with momentum 4, without 0.
@@ -45,7 +46,10 @@ block's full activations are live while it is recomputed. Pipeline: with 1F1B ra
 holds ``min(pp - r, micro-batches)`` micro-batches in flight (the first stage the most).
 
 Not modelled: allocator fragmentation and CUDA/NCCL context (the planner keeps a
-headroom for them), temporaries of single kernels, sequence parallelism, GQA.
+headroom for them), temporaries of single kernels, sequence parallelism, GQA. Blocks
+other than the GPT-2 and Llama-style ones (extra norms, fused projections, routed
+experts: a token's ``top_k`` experts count as one MLP of their width) are estimated
+with the Llama-style terms, and the model's shape says so (``ModelShape.notes``).
 
 >>> from raytrain_platform.plan.shapes import preset_shape
 >>> est = estimate_memory(model=preset_shape("gpt2"), layout=Layout(micro_batch=8),
@@ -208,7 +212,8 @@ def _ends(model: ModelShape, part: RankPart, tp: int) -> tuple[int, int]:
     row-split embeddings, the replicated final norm, the column-split LM head."""
     params = tensors = 0
     if part.first:
-        params, tensors = -(-model.first_params // tp), model.first_tensors
+        split = model.first_params if model.tp_first_params is None else model.tp_first_params
+        params, tensors = model.first_params - split + -(-split // tp), model.first_tensors
     if part.last:
         params += model.last_params - model.tp_last_params + -(-model.tp_last_params // tp)
         tensors += model.last_tensors
