@@ -227,6 +227,7 @@ def hf_shape(config: dict | Any, *, family: "ModelFamily", name: str = "hf", seq
     (default: its ``max_position_embeddings``, at most 4096). `family` (the `hf` family,
     or one derived from it) names its blocks and TP plan, called with `kwargs`.
 
+    >>> from raytrain_platform.models.hf import HFFamily
     >>> hf_shape({"model_type": "no_such_model"}, family=HFFamily())  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
