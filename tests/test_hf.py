@@ -120,8 +120,7 @@ def test_bad_model_directories_are_one_line_exit_2_before_ray(tmp_path, tiny):
                                         "scaling": {"num_workers": 2}},
          "parallel.pp_split", "2 layer counts (one per stage) summing to num_hidden_layers (2)"),
         ({"path": str(dirs["gpt2"]), "init": "random"}, {"parallel": {"pp_size": 2}, "scaling": {"num_workers": 2}},
-         "parallel.pp_size", "1 for model_type 'gpt2' (a tensor-parallel plan and a pipeline split exist for "
-                             "['llama', 'mistral', 'qwen2', 'qwen3'])"),
+         "parallel.pp_size", "1 for model_type 'gpt2' (its transformers config has no base_model_pp_plan)"),
         ({"path": str(tiny["model"])}, {"parallel": {"tp_size": 2, "sequence_parallel": True},
                                         "scaling": {"num_workers": 2}},
          "parallel.sequence_parallel", "false for model 'hf'"),
