@@ -88,7 +88,7 @@ def _bad_dirs(root: Path, good: Path) -> dict[str, Path]:
     for name, patch in (("remote_code", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}),
                         ("not_causal", {"architectures": ["LlamaForSequenceClassification"]}),
                         ("tied", {"tie_word_embeddings": True}),  # a working model, no pipeline split
-                        # a causal LM transformers knows, not Llama-style: no TP plan, no stages
+                        # a causal LM transformers knows whose config has no TP or PP plan
                         ("gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})):
         conf = json.loads((dirs[name] / "config.json").read_text())
         (dirs[name] / "config.json").write_text(json.dumps({**conf, **patch}))

@@ -1,8 +1,10 @@
 """Tensor parallelism for any Hugging Face architecture whose transformers config
 carries a ``base_model_tp_plan`` (models/hf_parallel.py).
 
-- For Llama, the plan derived from transformers' equals the hand-written one it
-  replaced, entry for entry (no processes).
+- For Llama (and mistral, qwen2), the plan derived from transformers' equals the
+  hand-written one it replaced, entry for entry (no processes). Qwen3's differs where
+  the hand-written one was wrong: its per-head q/k norms' gradients are now summed
+  over the ranks (shown against one process).
 - Every architecture of the matrix with a plan: every parameter sits in a module the
   plan places (split, or replicated), and TP over 2 ranks matches one process within
   1e-5 over 5 steps under torchrun (Llama and OLMo-2 by default, the rest extended);
@@ -57,6 +59,11 @@ def test_the_plan_from_transformers_is_the_hand_written_llama_plan(arch, overrid
 
     model = _model(arch, num_hidden_layers=3, **overrides)
     assert get_family("hf").tp_plan(model, {}) == _handwritten_llama_plan(model)
+
+
+def test_the_matrix_architectures_without_a_plan_are_gpt2_and_opt():
+    plain = [a for a in ARCHS if not arch_config(a, vocab_size=300, bos=1, eos=2, pad=0).base_model_tp_plan]
+    assert tuple(plain) == NO_TP_PLAN
 
 
 @pytest.mark.parametrize("arch", WITH_PLAN)

@@ -77,7 +77,8 @@ class HFPipelineStage(nn.Module):
     def assembled(self) -> Iterator[Any]:
         """The causal LM, for one call: this stage's modules, `_Absent` for the rest
         (the layers a ``ModuleList`` again, as its forward iterates them)."""
-        shell, swapped = self.__dict__["_shell"], []
+        shell = self.__dict__["_shell"]
+        swapped: list[tuple[nn.Module, str, nn.Module | None]] = []  # to put back
         try:
             for path in (*self.layout.first, *self.layout.last):
                 parent, attr = self._parent(path)

@@ -62,15 +62,16 @@ class LocalReplicate(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh)  # parameters and buffers replicated
-        held: dict[str, nn.Parameter] = {}
+        held: dict[str, DTensor] = {}
 
         def local(mod: nn.Module, args: tuple) -> None:
-            held.update({n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)})
-            for name, param in held.items():
-                mod._parameters[name] = param.to_local()  # type: ignore[assignment]  # this call
+            for name, param in list(mod._parameters.items()):
+                if isinstance(param, DTensor):
+                    held[name] = param
+                    mod._parameters[name] = param.to_local()  # for this call
 
         def restore(mod: nn.Module, args: tuple, output: object) -> None:
-            mod._parameters.update(held)
+            mod._parameters.update(held)  # type: ignore[arg-type]  # the DTensor parameters
             held.clear()
 
         module.register_forward_pre_hook(local)
