@@ -9,7 +9,8 @@ carries a ``base_model_tp_plan`` (models/hf_parallel.py).
   plan places (split, or replicated), and TP over 2 ranks matches one process within
   1e-5 over 5 steps under torchrun (Llama and OLMo-2 by default, the rest extended);
   so do 2 pipeline stages for three more architectures (extended).
-- An architecture without a plan (gpt2, opt) is one line, exit 2, before Ray.
+- An architecture without a plan (gpt2, opt) is one line, exit 2, before Ray; so is a
+  plan with a style that has no DTensor equivalent here, or stages not shown.
 """
 
 from __future__ import annotations
@@ -216,6 +217,30 @@ def test_an_architecture_without_a_plan_is_one_line_and_exit_2(tmp_path, arch, s
     proc = subprocess.run([sys.executable, "-m", "raytrain_platform", "validate", str(tmp_path / "bad.yaml")],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: {needle}"], proc.stderr[-2000:]
+
+
+
+@pytest.mark.parametrize("model_type, arch, tp, pp, needle", [
+    ("falcon", "FalconForCausalLM", 2, 1, "1 for model_type 'falcon' (its transformers config has no "
+                                          "base_model_tp_plan)"),
+    # DeepSeek-V3's MLA projection style has no DTensor equivalent here
+    ("deepseek_v3", "DeepseekV3ForCausalLM", 2, 1, "(its base_model_tp_plan uses styles ['mla_kv_a_proj']; the "
+                                                   "styles run here are ['colwise'"),
+    # a pipeline plan, but no test here shows its stages give transformers' logits
+    ("starcoder2", "Starcoder2ForCausalLM", 1, 2, "1 for model_type 'starcoder2' (pipeline stages are shown to "
+                                                  "give transformers' logits for ['llama'"),
+])
+def test_a_plan_that_cannot_run_here_is_refused_naming_why(tmp_path, model_type, arch, tp, pp, needle):
+    import json
+
+    from raytrain_platform.errors import ConfigError
+    from raytrain_platform.models import get_family
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": [arch]}))
+    with pytest.raises(ConfigError) as err:
+        get_family("hf").check_model_parallel({"path": str(tmp_path)}, tp=tp, pp=pp, stages=pp, pp_split=None)
+    field = "parallel.tp_size" if tp > 1 else "parallel.pp_size"
+    assert str(err.value).startswith(f"{field} = {max(tp, pp)}: expected ") and needle in str(err.value), err.value
 
 
 if __name__ == "__main__":  # torchrun: test_a_per_head_norm_sums_its_gradient_over_the_ranks
