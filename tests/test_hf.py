@@ -88,7 +88,7 @@ def _bad_dirs(root: Path, good: Path) -> dict[str, Path]:
     for name, patch in (("remote_code", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}),
                         ("not_causal", {"architectures": ["LlamaForSequenceClassification"]}),
                         ("tied", {"tie_word_embeddings": True}),  # a working model, no pipeline split
-                        # a causal LM transformers knows, not Llama-style: no TP plan, no stages
+                        # a causal LM transformers knows whose config has no TP or PP plan
                         ("gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})):
         conf = json.loads((dirs[name] / "config.json").read_text())
         (dirs[name] / "config.json").write_text(json.dumps({**conf, **patch}))
@@ -120,8 +120,7 @@ def test_bad_model_directories_are_one_line_exit_2_before_ray(tmp_path, tiny):
                                         "scaling": {"num_workers": 2}},
          "parallel.pp_split", "2 layer counts (one per stage) summing to num_hidden_layers (2)"),
         ({"path": str(dirs["gpt2"]), "init": "random"}, {"parallel": {"pp_size": 2}, "scaling": {"num_workers": 2}},
-         "parallel.pp_size", "1 for model_type 'gpt2' (a tensor-parallel plan and a pipeline split exist for "
-                             "['llama', 'mistral', 'qwen2', 'qwen3'])"),
+         "parallel.pp_size", "1 for model_type 'gpt2' (its transformers config has no base_model_pp_plan)"),
         ({"path": str(tiny["model"])}, {"parallel": {"tp_size": 2, "sequence_parallel": True},
                                         "scaling": {"num_workers": 2}},
          "parallel.sequence_parallel", "false for model 'hf'"),

@@ -1,12 +1,13 @@
 """Pipeline parallelism for Hugging Face decoders (models/hf_pipeline.py): a stage's
 forward is transformers' own forward, cut by decoder layer.
 
-- Applied to a whole model, the stage module gives transformers' logits exactly, for
-  each Llama-style architecture (llama, mistral, qwen2, qwen3), with its causal or
-  sliding-window masks, under sdpa and eager attention; a llama config with a stray
-  ``sliding_window`` key keeps Llama's causal masks.
-- Two stages chained in one process give the whole model's logits, and their
-  parameters split the model's names between them, disjoint.
+- Applied to a whole model, the stage module gives transformers' logits exactly (llama,
+  mistral, qwen2, qwen3 with sliding-window layers, under sdpa and eager attention; a
+  llama config with a stray ``sliding_window`` key).
+- For every architecture of the matrix with a ``base_model_pp_plan`` (tests/hf_archs.py),
+  three stages chained in one process give the whole model's logits, and their
+  parameters split the model's names between them, disjoint; that list is
+  `PIPELINE_TYPES`, what the config check lets through.
 - Interleaved 1F1B (two stages per rank) on a pretrained 4-layer Llama under torchrun
   matches one process over 10 steps, each rank holding about half the parameters (it
   read only its stages' weights), and its export loads in `transformers` with the
@@ -61,10 +62,58 @@ def test_the_stage_forward_is_transformers_forward(arch, attn):
         stage = HFPipelineStage(copy.deepcopy(model))
         assert list(stage.state_dict()) == list(model.state_dict())  # the checkpoint's names
         torch.testing.assert_close(stage(ids), want, rtol=0, atol=0)
-        if arch in ("mistral", "qwen2", "qwen3"):  # the sliding windows matter: full masks give other logits
-            full = HFPipelineStage(copy.deepcopy(model))
-            full._types = ["full_attention"] * SMALL["num_hidden_layers"]
-            assert (full(ids) - want).abs().max() > 1e-3
+
+
+def _three_stages(fam, model):
+    from raytrain_platform.parallel.pp import _prune
+
+    def stage(blocks: range, first: bool, last: bool):
+        staged = fam.pipeline_module(copy.deepcopy(model))
+        return _prune(staged, fam.pipeline_layout(staged), blocks, first=first, last=last)
+    return stage(range(0, 1), True, False), stage(range(1, 2), False, False), stage(range(2, 3), False, True)
+
+
+def test_the_architectures_with_stages_are_the_ones_shown_here():
+    """`PIPELINE_TYPES` (what `check_model_parallel` lets through) is the matrix's
+    architectures with a ``base_model_pp_plan``: each shown below."""
+    from hf_archs import ARCHS, arch_config
+
+    from raytrain_platform.models.hf_pipeline import PIPELINE_TYPES
+
+    with_plan = [a for a in ARCHS if arch_config(a, vocab_size=97, bos=1, eos=2, pad=0).base_model_pp_plan]
+    assert sorted(PIPELINE_TYPES) == sorted(a for a in with_plan)
+    assert set(ARCHS) - set(with_plan) == {"gpt2", "opt"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gpt_neox", "phi3", "gemma2",
+                                  "gemma3_text", "olmo2", "qwen3_moe", "mixtral"])
+def test_three_stages_chained_are_transformers_forward_for_each_architecture(arch):
+    """The split comes from the architecture's ``base_model_pp_plan`` (GPT-NeoX:
+    ``gpt_neox.embed_in`` and its dropout first, ``final_layer_norm`` last); the first,
+    a middle and the last stage chained give transformers' logits exactly (the middle
+    and last stages take hidden states as ``inputs_embeds``: nothing before the layers
+    runs twice), and their parameters split the model's names, disjoint."""
+    from hf_archs import arch_config
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_platform.models import get_family
+
+    fam = get_family("hf")
+    config = arch_config(arch, vocab_size=97, bos=1, eos=2, pad=0, num_hidden_layers=3)
+    torch.manual_seed(0)
+    # Gemma: eager attention (Gemma 2's soft-capped scores); windows of 8 in 20 tokens matter
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager" if "gemma" in arch else "sdpa")
+    model.eval()
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    first, middle, last = _three_stages(fam, model)
+    with torch.no_grad():
+        want = model(ids).logits
+        torch.testing.assert_close(last(middle(first(ids))), want, rtol=0, atol=0)
+    names = [set(s.state_dict()) for s in (first, middle, last)]
+    assert not (names[0] & names[1] or names[1] & names[2] or names[0] & names[2])
+    assert set().union(*names) == set(model.state_dict())
+    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    assert f"{embedding}.weight" in names[0] and "lm_head.weight" in names[2]
 
 
 def test_two_stages_chained_are_the_whole_model_and_split_its_names():
@@ -74,10 +123,11 @@ def test_two_stages_chained_are_the_whole_model_and_split_its_names():
     fam = get_family("hf")
     model = _model("qwen2", "sdpa")
     ids = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(2))
-    layout = fam.pipeline_layout()
+    staged = fam.pipeline_module(copy.deepcopy(model))
+    layout = fam.pipeline_layout(staged)
     with torch.no_grad():
         want = model(ids).logits
-        first = _prune(fam.pipeline_module(copy.deepcopy(model)), layout, range(0, 1), first=True, last=False)
+        first = _prune(staged, layout, range(0, 1), first=True, last=False)
         last = _prune(fam.pipeline_module(copy.deepcopy(model)), layout, range(1, 4), first=False, last=True)
         torch.testing.assert_close(last(first(ids)), want, rtol=0, atol=0)
     a, b = set(first.state_dict()), set(last.state_dict())

@@ -5,7 +5,7 @@ feed-forward net for tabular data, models/mlp.py).
 >>> kw = fam.resolve_kwargs({"n_layer": 2, "n_head": 2, "n_embd": 16})
 >>> sorted(fam.tp_plan(fam.build(kw), kw).items())[:2]
 [('blocks.0.attn', 'sequence_gather'), ('blocks.0.attn.k_proj', 'colwise')]
->>> fam.pipeline_layout().first
+>>> fam.pipeline_layout(fam.build(kw)).first
 ('wte', 'wpe')
 """
 
@@ -111,7 +111,7 @@ class GPTFamily(ModelFamily):
                          p + "attn": "sequence_gather", p + "mlp": "sequence_gather"})
         return plan
 
-    def pipeline_layout(self) -> PipelineLayout:
+    def pipeline_layout(self, model: "nn.Module") -> PipelineLayout:
         return PipelineLayout(blocks="blocks", first=("wte", "wpe"), last=("ln_f", "lm_head"))
 
     def shape(self, kwargs: dict, *, seq_len: int | None = None) -> "ModelShape":

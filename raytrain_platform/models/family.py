@@ -42,10 +42,14 @@ TASKS = ("classification", "regression", "lm")
 TP_KINDS = (
     "colwise",  # output features split (q/k/v, MLP up/gate): no communication in forward
     "rowwise",  # input features split (attention out, MLP down): partial sums all-reduced
+    "colwise_gather",  # output features split, then gathered: the next op needs all of them
+    "rowwise_split",  # input whole, each rank multiplies its slice of it; partial sums all-reduced
     "embedding",  # vocabulary rows split; the output is whole (or sequence-sharded with SP)
     "position_embedding",  # learned positions, split like the token embedding
     "head",  # LM head, vocabulary columns split, logits gathered for the loss
-    "norm",  # replicated parameters (or run on sequence shards with SP)
+    "norm",  # replicated parameters (or run on sequence shards with SP): the layer norms
+    "replicate",  # a module left whole (a router, unsplit experts): replicated, computing on local tensors
+    "local_norm",  # replicated, on this rank's own activations (per-head norms): gradients summed
     "sequence_gather",  # with SP only: gather the sequence before attention / the MLP
 )
 
@@ -235,7 +239,8 @@ class ModelFamily:
         raise ConfigError("parallel.tp_size", "> 1", f"1 for model '{self.name}' (it has no "
                           "tensor-parallel plan)")
 
-    def pipeline_layout(self) -> PipelineLayout:
+    def pipeline_layout(self, model: "nn.Module") -> PipelineLayout:
+        """Where `model` (what `pipeline_module` returned) splits into stages."""
         raise ConfigError("parallel.pp_size", "> 1", f"1 for model '{self.name}' (it has no "
                           "pipeline split)")
 

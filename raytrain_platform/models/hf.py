@@ -21,16 +21,20 @@ safetensors with ``model.safetensors.index.json``, the tokenizer files).
   needs ``trust_remote_code``) is refused, and so are pickled ``pytorch_model.bin``
   weights.
 - FSDP shards each decoder layer, then the root; activation checkpointing wraps each
-  decoder layer. Llama-style decoders (llama, mistral, qwen2, qwen3) have a TP plan:
-  q/k/v and gate/up column-wise, o and down row-wise, the embedding by rows and the
-  LM head by columns; heads and key/value heads must divide by ``tp_size``. They also
-  split into pipeline stages by decoder layer (models/hf_pipeline.py): the embedding on
-  the first stage, the final norm and LM head on the last. Tied input and output
-  embeddings take TP (one parameter, both splits cutting the vocabulary) and PP (the
-  last stage keeps a copy in step with the first's embedding, parallel/pp.py).
+  decoder layer. Tensor parallelism follows transformers' own plan for the
+  architecture (its config's ``base_model_tp_plan``, models/hf_parallel.py): e.g.
+  q/k/v and gate/up column-wise, o and down row-wise; the embedding by rows and the
+  LM head by columns; heads and key/value heads must divide by ``tp_size``. An
+  architecture whose config has no plan (gpt2, opt) is refused. Pipeline stages split
+  where its ``base_model_pp_plan`` says and run transformers' own forward
+  (models/hf_pipeline.py): the embedding on the first stage, the final norm and LM
+  head on the last. Tied input and output embeddings take TP (one parameter, both
+  splits cutting the vocabulary) and PP (the last stage keeps a copy in step with the
+  first's embedding, parallel/pp.py).
 
 Checks that need only the JSON run with the config (no torch); the rest (transformers
-knows the architecture, it is a causal LM) run before Ray starts (`precheck`).
+knows the architecture, it is a causal LM) run before Ray starts (`precheck`), as do
+those of TP and PP sizes above 1, which read transformers' config class (its plans).
 
 >>> HFFamily().resolve_kwargs({"path": "/no/such/dir"})
 Traceback (most recent call last):
@@ -58,7 +62,7 @@ if TYPE_CHECKING:
 
     from raytrain_platform.models.shapes import ModelShape
 
-__all__ = ["HFFamily", "LLAMA_STYLE_TYPES"]
+__all__ = ["HFFamily"]
 
 _KEYS = {"path": None, "init": "pretrained", "dtype": "float32", "attn_implementation": None}
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -66,9 +70,6 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # eager where the architecture has no sdpa path: Gemma 2).
 _ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2")
 _FLASH = "flash_attention_2"
-# Decoders whose layers are self_attn.{q,k,v,o}_proj + mlp.{gate,up,down}_proj (the TP plan's
-# names) and whose forward models/hf_pipeline.py reproduces stage by stage.
-LLAMA_STYLE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
@@ -267,52 +268,55 @@ class HFFamily(ModelFamily):
     # ---- parallel plans ------------------------------------------------------------------------
     def check_model_parallel(self, kwargs: dict, *, tp: int, pp: int, stages: int,
                              pp_split: list[int] | None) -> None:
+        """TP needs the config class's ``base_model_tp_plan`` (its styles known here) and
+        heads dividing by `tp`; PP its ``base_model_pp_plan``, a type whose stages are
+        shown to give transformers' logits, and a layer per stage. Read from transformers'
+        config object (the counts it builds the model with, defaults included)."""
         if tp * pp == 1:
             return
-        config = self._config(kwargs)
-        model_type = config.get("model_type")
-        field_, size = ("parallel.tp_size", tp) if tp > 1 else ("parallel.pp_size", pp)
-        if model_type not in LLAMA_STYLE_TYPES:
-            raise ConfigError(field_, size, f"1 for model_type {model_type!r} (a tensor-parallel plan and a "
-                              f"pipeline split exist for {list(LLAMA_STYLE_TYPES)})")
-        # The sizes the model is built with: what a config.json leaves out comes from
-        # transformers' defaults for its type (32 and 8 for mistral), a null
-        # num_key_value_heads is num_attention_heads.
-        sizes = self.auto_config(kwargs).get_text_config()
+        from raytrain_platform.models.hf_parallel import UPSTREAM_STYLES, unknown_styles
+        from raytrain_platform.models.hf_pipeline import PIPELINE_TYPES
+
+        config = self.auto_config(kwargs).get_text_config()
+        model_type = config.model_type
+        for size, field_, kind in ((tp, "parallel.tp_size", "tp"), (pp, "parallel.pp_size", "pp")):
+            if size > 1 and not getattr(config, f"base_model_{kind}_plan", None):
+                raise ConfigError(field_, size, f"1 for model_type {model_type!r} (its transformers config has "
+                                  f"no base_model_{kind}_plan)")
+        if tp > 1 and (bad := unknown_styles(config.base_model_tp_plan)):
+            raise ConfigError("parallel.tp_size", tp, f"1 for model_type {model_type!r} (its base_model_tp_plan "
+                              f"uses styles {bad}; the styles run here are {sorted(UPSTREAM_STYLES)})")
         if pp > 1:
-            check_stage_counts(sizes.num_hidden_layers, "num_hidden_layers", pp=pp, stages=stages,
+            if model_type not in PIPELINE_TYPES:
+                raise ConfigError("parallel.pp_size", pp, f"1 for model_type {model_type!r} (pipeline stages are "
+                                  f"shown to give transformers' logits for {list(PIPELINE_TYPES)})")
+            check_stage_counts(config.num_hidden_layers, "num_hidden_layers", pp=pp, stages=stages,
                                pp_split=pp_split, unit="layer")
         if tp == 1:
             return
-        heads = sizes.num_attention_heads
-        kv_heads = getattr(sizes, "num_key_value_heads", None) or heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads  # null: num_attention_heads
         if heads % tp or kv_heads % tp:
             raise ConfigError("parallel.tp_size", tp, f"a divisor of num_attention_heads ({heads}) and "
                               f"num_key_value_heads ({kv_heads}): each TP rank holds whole heads")
 
-    def pipeline_layout(self) -> PipelineLayout:
-        return PipelineLayout(blocks="model.layers", first=("model.embed_tokens",),
-                              last=("model.norm", "lm_head"))
+    def pipeline_layout(self, model: "nn.Module") -> PipelineLayout:
+        return model.layout  # type: ignore[return-value]  # HFPipelineStage: from base_model_pp_plan
 
     def pipeline_module(self, model: "nn.Module") -> "nn.Module":
         from raytrain_platform.models.hf_pipeline import HFPipelineStage
 
-        return HFPipelineStage(model)  # the same modules and names, a forward per stage
+        return HFPipelineStage(model)  # the same modules and names, transformers' forward per stage
 
     def tp_plan(self, model: "nn.Module", kwargs: dict) -> dict[str, str]:
-        plan = {"model.embed_tokens": "embedding", "model.norm": "norm", "lm_head": "head"}
-        for i in range(len(model.model.layers)):  # type: ignore[union-attr, arg-type]
-            p = f"model.layers.{i}."
-            plan.update({p + "self_attn.q_proj": "colwise", p + "self_attn.k_proj": "colwise",
-                         p + "self_attn.v_proj": "colwise", p + "self_attn.o_proj": "rowwise",
-                         p + "mlp.gate_proj": "colwise", p + "mlp.up_proj": "colwise",
-                         p + "mlp.down_proj": "rowwise",
-                         p + "input_layernorm": "norm", p + "post_attention_layernorm": "norm"})
-            attn = model.get_submodule(p + "self_attn")
-            for norm in ("q_norm", "k_norm"):  # qwen3: per-head norms, over head_dim: replicated
-                if hasattr(attn, norm):
-                    plan[p + f"self_attn.{norm}"] = "norm"
-        return plan
+        """transformers' own plan for the architecture (models/hf_parallel.py)."""
+        from raytrain_platform.models.hf_parallel import tp_plan_from_upstream
+        from raytrain_platform.models.hf_pipeline import HFPipelineStage
+
+        if isinstance(model, HFPipelineStage):  # TP x PP: the whole model's plan, before the split
+            with model.assembled() as whole:
+                return tp_plan_from_upstream(whole)
+        return tp_plan_from_upstream(model)
 
     # ---- planner, export, serving ----------------------------------------------------------------
     def shape(self, kwargs: dict, *, seq_len: int | None = None) -> "ModelShape":

@@ -47,7 +47,7 @@ def parallelize(model: nn.Module, *, env, cfg, family: "ModelFamily", model_kwar
         # TP x PP: the plan of the whole model (its names), each stage taking its entries
         plan = family.tp_plan(staged, model_kwargs) if cfg.tp_size > 1 else None
         first = iter([True])  # rank 0 announces compiling once, at its first stage
-        layout = family.pipeline_layout()
+        layout = family.pipeline_layout(staged)
         return apply_pp(staged, env=env, cfg=cfg, mesh=mesh, layout=layout,
                         data_parallel=lambda part: _stage_data_parallel(part, env=env, cfg=cfg, mesh=mesh,
                                                                         blocks=blocks, plan=plan, layout=layout,

@@ -53,6 +53,32 @@ class ReplicateParams(ParallelStyle):
             output_fn=lambda mod, output, mesh: output.to_local())
 
 
+class LocalReplicate(ParallelStyle):
+    """Parameters as Replicate DTensors, the module computing with their local tensors
+    (each rank's whole copy): a module a plan leaves whole whose ops DTensor does not
+    run (a mixture of experts' grouped matmuls, torch 2.13). Its inputs are the same on
+    every rank, so each computes the whole gradient, which reaches the DTensor
+    parameter through ``to_local`` as Replicate."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module, device_mesh)  # parameters and buffers replicated
+        held: dict[str, DTensor] = {}
+
+        def local(mod: nn.Module, args: tuple) -> None:
+            for name, param in list(mod._parameters.items()):
+                if isinstance(param, DTensor):
+                    held[name] = param
+                    mod._parameters[name] = param.to_local()  # for this call
+
+        def restore(mod: nn.Module, args: tuple, output: object) -> None:
+            mod._parameters.update(held)  # type: ignore[arg-type]  # the DTensor parameters
+            held.clear()
+
+        module.register_forward_pre_hook(local)
+        module.register_forward_hook(restore)
+        return module
+
+
 class EmbeddingRowwise(RowwiseParallel):
     """`RowwiseParallel` for embeddings whose output waits for its all-reduce (or
     reduce-scatter) before it leaves: a plain tensor, not the `AsyncCollectiveTensor` of
@@ -76,6 +102,10 @@ def _style(kind: str, *, sequence_parallel: bool) -> ParallelStyle | None:
         return ColwiseParallel()
     if kind == "rowwise":
         return RowwiseParallel(output_layouts=between)
+    if kind == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if kind == "rowwise_split":  # a whole input: each rank takes its slice (no communication)
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if kind == "embedding":
         return EmbeddingRowwise(input_layouts=Replicate(), output_layouts=between)
     if kind == "position_embedding":  # (T, d): with SP, rows of positions go with their tokens
@@ -84,6 +114,13 @@ def _style(kind: str, *, sequence_parallel: bool) -> ParallelStyle | None:
         return ColwiseParallel(input_layouts=between, output_layouts=Replicate())
     if kind == "norm":
         return SequenceParallel() if sp else ReplicateParams()
+    if kind == "replicate":
+        return LocalReplicate()
+    if kind == "local_norm":
+        # Each rank normalises its own heads (rows of a colwise output): declared a shard of
+        # them (dim 0, any dim but the normalised last), so the replicated weight's
+        # gradient sums over the ranks (a Partial DTensor, reduced to its placement).
+        return SequenceParallel(sequence_dim=0, use_local_output=True)
     if kind == "sequence_gather":  # norms on sequence shards; attention and MLP see all of it
         return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) if sp else None
     raise ValueError(f"unknown tensor-parallel kind {kind!r}")  # a bug in a family's plan
