@@ -13,7 +13,7 @@ from typing import Any
 from raytrain_platform.compat import resolve
 
 __all__ = ["USED", "checkpoint_wrapper", "non_persistent_buffers", "post_accumulate_grad_hooks",
-           "set_post_accumulate_grad_hooks", "default_reduce_scatter", "dynamo_config", "functorch_config",
+           "set_post_accumulate_grad_hooks", "state_dict_names", "default_reduce_scatter", "dynamo_config", "functorch_config",
            "inductor_cxx_check", "local_shape_and_offset", "has_triton", "resolve"]
 
 # "module:attribute" (or a module) -> why it is used and has no public equivalent.
@@ -31,6 +31,9 @@ USED: dict[str, str] = {
     "torch._inductor.exc:InvalidCxxCompiler": "the error TorchInductor raises for a missing C++ compiler",
     "torch._inductor.config": "the C++ compilers TorchInductor looks for, named in that error",
     "torch.utils._triton:has_triton": "a clear error before Ray when a GPU worker has no Triton",
+    "torch.distributed.checkpoint.state_dict:_get_fqns":
+        "a parameter's names as torch's state_dict reports them (compile and checkpoint-wrapper prefixes "
+        "cleaned), to drop a frozen tied alias that ignore_frozen_params keeps",
     "torch:Tensor._post_accumulate_grad_hooks":
         "the hooks registered on a meta-device parameter (TP's, keeping an embedding's own rows of its "
         "gradient), registered again after to_empty gives the parameter new storage",
@@ -55,6 +58,11 @@ def set_post_accumulate_grad_hooks(tensor: Any, hooks: list) -> None:
 def non_persistent_buffers(module: Any) -> set[str]:
     """The names of `module`'s own buffers left out of its state_dict."""
     return set(module._non_persistent_buffers_set)
+
+
+def state_dict_names(module: Any, name: str) -> set[str]:
+    """The names `module`'s torch.distributed state_dict gives its parameter `name`."""
+    return set(resolve("torch.distributed.checkpoint.state_dict:_get_fqns")(module, name))
 
 
 def checkpoint_wrapper(module: Any, **kwargs: Any) -> Any:

@@ -189,10 +189,10 @@ def _trained_only(module: nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]
     weight's second name (GPT-2's ``lm_head.weight``, the frozen embedding's) is not
     among the parameters torch checks, which it lists once each."""
     # torch's own name cleaning (compile and checkpoint-wrapper prefixes), as ignore_frozen_params does
-    from torch.distributed.checkpoint.state_dict import _get_fqns
+    from raytrain_platform.compat.torch_private import state_dict_names
 
     frozen = {fqn for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad
-              for fqn in _get_fqns(module, n)}
+              for fqn in state_dict_names(module, n)}
     return {k: v for k, v in model_sd.items() if k not in frozen}
 
 
