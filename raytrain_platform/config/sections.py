@@ -113,6 +113,13 @@ class DataConfig:
     # text/jsonl through a tokenizer: processes the driver's count pass tokenizes with
     # (data/pool.py): auto = 1 below 16 MiB to tokenize, else one per core (at most 16)
     tokenize_processes: Union[int, str] = "auto"
+    # jsonl: how documents fill the windows of seq_len + 1 tokens. documents: whole, each
+    # apart (its own positions from 0 and attention to itself alone, through position
+    # ids; best-fit packed, the rest padded; one longer than a window is truncated, and
+    # the count says how many); concat: one stream cut into windows (a document may
+    # span two, and attends to those before it). Default: documents for prompt_completion
+    # and chat where the model takes position ids (hf), else concat (data/packing.py)
+    packing: Union[str, None] = None
 
     _ALLOWED: ClassVar[dict[str, str]] = {
         "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)",
@@ -164,6 +171,10 @@ class DataConfig:
                "an integer >= 0 (0 = no shuffle)")
         _check(self.max_read_rows_per_s is None or self.max_read_rows_per_s > 0,
                "data.max_read_rows_per_s", self.max_read_rows_per_s, "a number > 0 or null (no limit)")
+        _check(self.packing in (None, "documents", "concat"), "data.packing", self.packing,
+               "documents, concat, or null (documents for jsonl prompt_completion and chat)")
+        _check(self.packing != "documents" or self.source == "jsonl", "data.packing", self.packing,
+               f"concat for data.source {self.source} (documents packs jsonl records)")
         _check(self.feature_columns is None or len(self.feature_columns) > 0,
                "data.feature_columns", self.feature_columns, "a non-empty list of column names or null")
 
@@ -179,6 +190,19 @@ class DataConfig:
             return self.batch_size
         raise ConfigError("data.batch_size", self.batch_size,
                           "a number here: 'auto' is decided when the job is resolved (rtp validate, rtp train)")
+
+    @property
+    def resolved_packing(self) -> str:
+        """``packing``, or where unset the format's default: documents for jsonl
+        prompt_completion and chat, concat otherwise (resolve_job sets it to concat for a
+        model that takes no position ids).
+
+        >>> DataConfig(source="jsonl", path="d", format="chat", batch_size=8).resolved_packing
+        'documents'
+        """
+        if self.packing is not None:
+            return self.packing
+        return "documents" if self.source == "jsonl" and self.format != "text" else "concat"
 
     def tokenizer_for(self, model: ModelConfig) -> str | None:
         """The tokenizer folder text and jsonl are read with: ``data.tokenizer``, else the

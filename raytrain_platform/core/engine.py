@@ -170,7 +170,7 @@ class Engine:
                     inputs, targets, lambda out, tgt: self.task.loss_sum(out, tgt) * scale, sync=sync)
         with contextlib.nullcontext() if sync else self.wrapped.no_sync():
             with self.autocast, counted_positions(self._head_for(batch), targets, rows) as kept:
-                outputs = self.wrapped.module(inputs)
+                outputs = self.wrapped.module(inputs, **self.task.forward_kwargs(batch))
                 loss = self.task.loss_sum(outputs, kept.targets(self.task.logits(outputs))) * scale
             loss.backward()
         return loss.detach()
@@ -214,13 +214,14 @@ class Engine:
         self.wrapped.module.eval()
         sums = torch.zeros(3)
         for batch in batches:
-            inputs, targets = self.task.split(self._to_device(batch))
+            batch = self._to_device(batch)
+            inputs, targets = self.task.split(batch)
             with self.autocast:
                 if self.wrapped.pipeline is not None:  # sums on the last stage, zeros before it
                     sums += self.wrapped.pipeline.evaluate(inputs, targets, self.task.eval_sums).cpu()
                     continue
                 with counted_positions(self._head_for(batch), targets) as kept:
-                    outputs = self.wrapped.module(inputs)
+                    outputs = self.wrapped.module(inputs, **self.task.forward_kwargs(batch))
                 targets = kept.targets(self.task.logits(outputs))
             sums += self.task.eval_sums(outputs, targets).cpu()
         self.wrapped.module.train()
