@@ -3,7 +3,8 @@ tokenized and packed once, and later reads of the same piece and split memory-ma
 windows instead of tokenizing them again.
 
 An entry is a folder holding one raw file per array (``tokens`` int32 and ``loss_mask``
-uint8, ``(rows, seq_len)``; ``sample_id`` int64, ``(rows,)``) and ``meta.json``, its
+uint8, ``(rows, seq_len)``; ``sample_id`` int64, ``(rows,)``; ``position_ids`` int32
+for ``data.packing: documents``, `ARRAYS` plus it) and ``meta.json``, its
 key and row count. It is written under a temporary name, synced, and renamed into place
 when complete, so a reader sees a whole entry or none; a writer stopped early (a run
 that ends mid-epoch, a bad record, a full disk) removes what it wrote, and the folder
@@ -230,7 +231,7 @@ class Writer:
             try:
                 os.rename(self.tmp, self.folder)
             except OSError:  # the folder exists (a non-empty folder is never replaced)
-                if _arrays(self.folder, self.key, self.seq_len) is not None:
+                if _arrays(self.folder, self.key, self.seq_len, self.arrays) is not None:
                     raise
                 shutil.rmtree(self.folder, ignore_errors=True)
                 os.rename(self.tmp, self.folder)
