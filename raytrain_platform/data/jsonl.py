@@ -22,7 +22,9 @@ Each document ends with the tokenizer's EOS. Documents go to train or val by a h
 of the file's path under ``data.path`` and the line's index (`sources.split_keys`)
 *before* packing, so no window mixes the two splits, and a record keeps its split when
 other files are added to the folder; then each file's documents are concatenated and cut into non-overlapping
-windows of ``seq_len`` tokens (the tail is dropped). ``loss_mask[t]`` says whether
+windows of ``seq_len`` tokens (the tail is dropped): ``packing`` concat. With ``packing``
+documents, whole documents are packed into windows instead, each apart (`packing.py`;
+the windows then carry ``position_ids``). ``loss_mask[t]`` says whether
 token ``t`` is a training target: a trainer that predicts ``tokens[:, 1:]`` from
 ``tokens[:, :-1]`` weights its loss by ``loss_mask[:, 1:]``.
 
