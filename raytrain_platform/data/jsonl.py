@@ -295,8 +295,9 @@ def _joined(chunks: Iterable[dict[str, np.ndarray]], seq_len: int, packing: str 
     """Chunks of windows as one batch (empty arrays of the right shapes if none)."""
     parts = list(chunks)
     if not parts:
-        empty = {"tokens": np.zeros((0, seq_len), np.int32), "loss_mask": np.zeros((0, seq_len), np.uint8),
-                 "sample_id": np.zeros(0, np.int64), "position_ids": np.zeros((0, seq_len), np.int32)}
+        empty: dict[str, np.ndarray] = {
+            "tokens": np.zeros((0, seq_len), np.int32), "loss_mask": np.zeros((0, seq_len), np.uint8),
+            "sample_id": np.zeros(0, np.int64), "position_ids": np.zeros((0, seq_len), np.int32)}
         return {k: empty[k] for k in window_arrays(packing)}
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 

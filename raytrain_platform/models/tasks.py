@@ -41,7 +41,7 @@ class Task:
             return inputs, targets
         return batch["x"], batch["y"]
 
-    def forward_kwargs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def forward_kwargs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """What the model's forward takes besides the inputs: the inputs' position ids
         where the batch has them (packed documents), else nothing."""
         positions = batch.get("position_ids")
