@@ -254,3 +254,11 @@ def test_ray_overhead_refuses_a_window_across_an_epoch_boundary(monkeypatch):
     for first, last in ((10, 55), (44, 60)):  # across it; from epoch 1's first step
         with pytest.raises(RuntimeError, match=f"steps {first}-{last} cross an epoch boundary"):
             ray_overhead.one_epoch(rows, first, last, "run")
+
+
+@pytest.mark.extended  # a tokenizer trained, records encoded, two engines: most of a minute on 2 cores
+def test_packing_smoke():
+    """The packing benchmark (one process, no Ray): the padding table and both packings' steps."""
+    out = _run(["benchmarks/packing.py", "--smoke"])
+    assert "| 129 | " in out and "| documents | " in out and "| concat | " in out
+    assert "documents / concat tokens/s:" in out and "wrote" not in out  # smoke writes nothing
