@@ -42,6 +42,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(warning)
     print(f"data: {job.data.num_train} training / {job.data.num_val} validation samples; "
           f"{job.steps_per_epoch} optimizer steps per epoch; schedule spans {job.total_steps} steps")
+    if job.config.data.packing == "documents":
+        print(f"data.packing documents: whole documents in windows of {job.config.seq_len} + 1 tokens; "
+              f"{job.data.truncated} longer than that, truncated")
     return 0
 
 

@@ -19,6 +19,7 @@ from raytrain_platform.config import JobConfig
 from raytrain_platform.data.jsonl import check_fits
 from raytrain_platform.data.sources import DataInfo, SourceSpec, describe
 from raytrain_platform.errors import ConfigError, DataError
+from raytrain_platform.models.family import ModelFamily
 from raytrain_platform.models.lora import resolve_targets
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.parallel.dims import ParallelDims
@@ -77,6 +78,7 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
     tokenizer = cfg.data.tokenizer
     if tokenizer and not os.path.isabs(tokenizer):  # Ray's tasks do not share this working directory
         cfg = cfg.replace({"data.tokenizer": os.path.abspath(os.path.expanduser(tokenizer))})
+    cfg = _resolve_packing(cfg, family)
     spec = SourceSpec.from_config(cfg)
     if spec.tokenized:  # the tokenizer loads, has what the format needs and fits the model
         check_fits(spec.token_spec(), vocab_size=family.vocab_size(cfg.model.kwargs),
@@ -143,6 +145,24 @@ def _val_warnings(cfg: JobConfig, num_val: int) -> tuple[str, ...]:
                         f"(data.batch_size {d.micro_batch}) for pipeline stages of fixed shape; raise "
                         f"{asked.split()[0]}, or set data.val_fraction to 0 to skip validation")
     return ()
+
+
+def _resolve_packing(cfg: JobConfig, family: ModelFamily) -> JobConfig:
+    """The config with ``data.packing`` set: documents (the default for jsonl
+    prompt_completion and chat) needs a model that takes position ids and no pipeline
+    stages; where unset, concat instead, and a ConfigError where asked for."""
+    packing = cfg.data.resolved_packing
+    if packing == "documents":
+        why = None
+        if cfg.parallel.pp_size > 1:
+            why = "parallel.pp_size > 1 (the pipeline's stages pass no position ids)"
+        elif not family.takes_position_ids(cfg.model.kwargs):
+            why = (f"model '{cfg.model.name}' (its forward takes no position_ids, which keep packed "
+                   "documents apart)")
+        if why is not None and cfg.data.packing is not None:
+            raise ConfigError("data.packing", "documents", f"concat for {why}")
+        packing = "concat" if why is not None else packing
+    return cfg if cfg.data.packing == packing else cfg.replace({"data.packing": packing})
 
 
 def _check_elastic(cfg: JobConfig) -> None:

@@ -213,3 +213,12 @@ def test_vs_accelerate_smoke(tmp_path):
     # Measured: equal to 5 decimals (fused vs default AdamW, and compiled kernels, differ only in rounding).
     for side in ("ray", "torchrun", "ray_compiled", "torchrun_compiled", "accelerate_compiled"):
         assert entry[f"loss_max_abs_diff_{side}"] < 1e-3, entry
+
+
+@pytest.mark.extended  # a tokenizer trained, records encoded, two engines: most of a minute on 2 cores
+@pytest.mark.slow
+def test_packing_smoke():
+    """The packing benchmark (one process, no Ray): the padding table and both packings' steps."""
+    out = _run(["benchmarks/packing.py", "--smoke"])
+    assert "| 129 | " in out and "| documents | " in out and "| concat | " in out
+    assert "documents / concat tokens/s:" in out and "wrote" not in out  # smoke writes nothing

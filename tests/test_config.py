@@ -187,10 +187,10 @@ def test_the_configuration_page_documents_every_config_key():
     """docs/configuration.md (generated from the fields' docstrings) names every key the config accepts."""
     import dataclasses
 
-    from raytrain_platform.config.sections import _SECTIONS
+    from raytrain_platform.config.sections import SECTIONS
 
     page = (ROOT / "docs" / "configuration.md").read_text()
-    missing = [f"{section}.{f.name}" for section, cls in _SECTIONS.items()
+    missing = [f"{section}.{f.name}" for section, cls in SECTIONS.items()
                for f in dataclasses.fields(cls) if f"`{section}.{f.name}`" not in page]
     assert not missing, f"docs/configuration.md lacks {missing}"
 

@@ -91,8 +91,12 @@ def test_describe_counts_what_the_reader_yields(tiny, tmp_path, fmt):
     assert train["tokens"].dtype == np.int32 and train["tokens"].shape[1] == 65  # seq_len + 1
     assert int(train["tokens"].max()) < 512
     counted = train["loss_mask"].mean()
-    # chat / prompt_completion: only the answers count; text: every token.
-    assert (0.2 < counted < 0.8) if fmt != "text" else counted == 1.0
+    # chat / prompt_completion: only the answers count; text: every token. Chat and
+    # prompt_completion pack whole documents (data.packing's default): in 65 tokens most
+    # conversations (85 tokens on average) are cut, and with them answers (0.18 measured).
+    assert (0.1 < counted < 0.8) if fmt != "text" else counted == 1.0
+    assert job.config.data.packing == ("concat" if fmt == "text" else "documents")
+    assert (job.data.truncated > 0) == (fmt != "text")
 
 
 @pytest.mark.parametrize("fmt", ["chat", "prompt_completion"])
@@ -101,8 +105,8 @@ def test_batches_carry_the_loss_mask_into_the_targets(tiny, tmp_path, fmt):
 
     job = resolve_job(load_config(hf_config(tmp_path, "m", tiny, data={"path": str(tiny[fmt]), "format": fmt})))
     batch = next(iter(LocalBatches(job, rank=0, world_size=1).train_epoch(0)))
-    assert set(batch) == {"tokens", "loss_mask", "sample_id"}
-    assert batch["tokens"].dtype == torch.int32 and batch["loss_mask"].shape == (4, 65)
+    assert set(batch) == {"tokens", "loss_mask", "sample_id", "position_ids"}  # documents packed
+    assert batch["tokens"].dtype == torch.int32 and batch["loss_mask"].shape == batch["position_ids"].shape == (4, 65)
     _, targets = get_task("lm").split({**batch, "tokens": batch["tokens"].long()})
     counted = targets != IGNORE_INDEX
     assert torch.equal(counted, batch["loss_mask"][:, 1:] == 1) and 0 < counted.float().mean() < 1
@@ -322,7 +326,9 @@ def test_ray_data_tokenizes_the_same_windows_in_the_same_order(ray_cluster, tiny
             want = split_rows(spec, split)
             if split == "val":  # eval_batches x batch_size x 1 worker
                 want = {k: v[:4] for k, v in want.items()}
-            assert set(got) == set(want) == {"tokens", "loss_mask", "sample_id"}
+            # chat packs whole documents (their position ids too), the text folder concatenates
+            packed = ("position_ids",) if data == {} else ()
+            assert set(got) == set(want) == {"tokens", "loss_mask", "sample_id", *packed}
             for key in want:
                 assert got[key].dtype == want[key].dtype and np.array_equal(got[key], want[key]), (split, key)
 
@@ -439,11 +445,12 @@ def test_resume_continues_at_the_data_position(tiny, tmp_path):
     """A run stopped after its step-4 checkpoint (an uninterrupted run's directory with
     its later checkpoints removed), resumed to step 12 across two epoch ends: its
     losses equal the uninterrupted run's, so it went on at the data position it
-    stopped at. The first 30 chat records: 5 steps per epoch."""
+    stopped at. The first 40 chat records, a window each (whole documents, most cut to
+    the window): 5 steps per epoch."""
     from raytrain_platform.core.rundir import checkpoint_name
 
     small = tmp_path / "small.jsonl"
-    small.write_text("".join(tiny["chat"].read_text().splitlines(keepends=True)[:30]))
+    small.write_text("".join(tiny["chat"].read_text().splitlines(keepends=True)[:40]))
     cfg = hf_config(tmp_path, "whole", tiny, data={"path": str(small), "batch_size": 8, "val_fraction": 0.0},
                     train={"max_steps": 12}, run={"checkpoint_every": 4, "eval_every": 0, "keep_checkpoints": 5})
     assert resolve_job(load_config(cfg)).steps_per_epoch == 5

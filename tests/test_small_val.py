@@ -32,7 +32,8 @@ def small(tmp_path_factory) -> dict[str, Path]:
 def chat_config(tmp: Path, name: str, small: dict, *, val_fraction: float, **sections) -> dict:
     return hf_config(tmp, name, small["model"], data={
         "source": "jsonl", "path": str(small["chat"]), "format": "chat", "seq_len": 128, "batch_size": 8,
-        "val_fraction": val_fraction}, train={"max_steps": 1}, run={"checkpoint_every": 1}, **sections)
+        # one stream of windows: the split's size in windows is what these tests are about
+        "val_fraction": val_fraction, "packing": "concat"}, train={"max_steps": 1}, run={"checkpoint_every": 1}, **sections)
 
 
 def _job(cfg: dict):
@@ -70,7 +71,7 @@ def _manual_val_loss(job, model: torch.nn.Module) -> tuple[float, int]:
                                                      pytest.param(2, "fsdp", 2, marks=pytest.mark.extended)])
 def test_a_small_split_is_evaluated_as_it_is_token_weighted(tmp_path, small, nproc, strategy, batch):
     from raytrain_platform.data.dealing import eval_micro_batches
-    from raytrain_platform.export import load_model_for_inference
+    from raytrain_platform.inference import load_model_for_inference
 
     name = f"val{nproc}"
     cfg = chat_config(tmp_path, name, small, val_fraction=0.3, parallel={"strategy": strategy},

@@ -18,20 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_platform.config import sections
-from raytrain_platform.config.sections import (
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-    RunConfig,
-    ScalingConfig,
-    TrainConfig,
-)
+from raytrain_platform.config.sections import SECTIONS
 
 __all__ = ["field_docs", "render", "undocumented"]
 
 # The sections in the order a config file lists them.
-_SECTIONS = {cls.SECTION: cls for cls in (ModelConfig, DataConfig, TrainConfig, ParallelConfig, ScalingConfig,
-                                          RunConfig)}
 
 _INTRO = """\
 # Configuration reference
@@ -72,7 +63,7 @@ def field_docs() -> dict[str, dict[str, str]]:
 def undocumented() -> list[str]:
     """Config keys (``section.field``) whose field has no docstring; empty when all do."""
     docs = field_docs()
-    return [f"{name}.{f.name}" for name, cls in _SECTIONS.items() for f in dataclasses.fields(cls)
+    return [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)
             if not docs.get(cls.__name__, {}).get(f.name)]
 
 
@@ -94,7 +85,7 @@ def render() -> str:
     """The whole docs/configuration.md page, one table per section in config order."""
     docs = field_docs()
     out = [_INTRO]
-    for name, cls in _SECTIONS.items():
+    for name, cls in SECTIONS.items():
         out += [f"## `{name}`", "", "| key | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(cls):
             text = docs.get(cls.__name__, {}).get(f.name, "(undocumented)").replace("|", "\\|")

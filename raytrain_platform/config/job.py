@@ -10,16 +10,16 @@ from typing import Any
 
 import yaml
 
-from raytrain_platform.config.parse import _build_section, _section_dict, _set_path, apply_overrides, read_yaml
+from raytrain_platform.config.parse import build_section, section_dict, set_path, apply_overrides, read_yaml
 from raytrain_platform.config.sections import (
-    _SECTIONS,
+    SECTIONS,
     DataConfig,
     ModelConfig,
     ParallelConfig,
     RunConfig,
     ScalingConfig,
     TrainConfig,
-    _check,
+    check_field,
 )
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.models.registry import get_family
@@ -41,8 +41,8 @@ class JobConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
 
     def __post_init__(self) -> None:
-        for name, cls in _SECTIONS.items():
-            _check(isinstance(getattr(self, name), cls), name, type(getattr(self, name)).__name__,
+        for name, cls in SECTIONS.items():
+            check_field(isinstance(getattr(self, name), cls), name, type(getattr(self, name)).__name__,
                    f"a {cls.__name__}")
         self._check_layout()
         self._check_batch()
@@ -54,18 +54,18 @@ class JobConfig:
         par = self.parallel
         if par.strategy == "auto":  # decided at launch (plan/auto.py), then validated in full
             for name in ("tp_size", "pp_size"):
-                _check(getattr(par, name) == 1, f"parallel.{name}", getattr(par, name),
+                check_field(getattr(par, name) == 1, f"parallel.{name}", getattr(par, name),
                        "1 with parallel.strategy auto (the plan chooses the model-parallel sizes)")
         else:
             strat = STRATEGIES[par.strategy]
             _validate_parallel_dims(self)
             n = ParallelDims.from_config(self).dp  # the strategy spans the data-parallel ranks
-            _check(strat.min_workers <= n and (strat.max_workers is None or n <= strat.max_workers),
+            check_field(strat.min_workers <= n and (strat.max_workers is None or n <= strat.max_workers),
                    "scaling.num_workers", self.scaling.num_workers,
                    f"{strat.describe_workers()} per model replica (data-parallel size {n}) for "
                    f"parallel.strategy '{par.strategy}'")
         if self.scaling.elastic:
-            _check(par.tp_size == par.pp_size == 1 and par.strategy in ("ddp", "fsdp", "auto"),
+            check_field(par.tp_size == par.pp_size == 1 and par.strategy in ("ddp", "fsdp", "auto"),
                    "scaling.min_workers", self.scaling.min_workers,
                    "null (fixed size) unless parallel.strategy is ddp, fsdp or auto with tp_size and "
                    "pp_size 1: an elastic worker group changes the data-parallel size only")
@@ -74,13 +74,13 @@ class JobConfig:
         """A global batch given beside the micro-batch equals their product; `auto` needs it."""
         t = self.train
         if self.data.batch_size == "auto":
-            _check(t.global_batch_size is not None, "train.global_batch_size", None,
+            check_field(t.global_batch_size is not None, "train.global_batch_size", None,
                    "an integer >= 1 when data.batch_size is auto (samples per optimizer step)")
-            _check(t.grad_accum_steps == 1, "train.grad_accum_steps", t.grad_accum_steps,
+            check_field(t.grad_accum_steps == 1, "train.grad_accum_steps", t.grad_accum_steps,
                    "1 (unset) when data.batch_size is auto: it is derived from the global batch")
         elif t.global_batch_size is not None:  # given beside an explicit batch: must agree
             dp, product = ParallelDims.from_config(self).dp, self.global_batch  # strategy auto: tp, pp 1
-            _check(t.global_batch_size == product, "train.global_batch_size", t.global_batch_size,
+            check_field(t.global_batch_size == product, "train.global_batch_size", t.global_batch_size,
                    f"null, or data.batch_size ({self.data.batch_size}) x train.grad_accum_steps "
                    f"({t.grad_accum_steps}) x data-parallel workers ({dp}) = {product}")
 
@@ -89,11 +89,11 @@ class JobConfig:
         blocks; recomputing inside compiled blocks refuses dropout."""
         par, family = self.parallel, get_family(self.model.name)
         for name in ("mixed_precision", "cpu_offload"):
-            _check(self.scaling.use_gpu or not getattr(par, name), f"parallel.{name}",
+            check_field(self.scaling.use_gpu or not getattr(par, name), f"parallel.{name}",
                    getattr(par, name), "false when scaling.use_gpu is false (GPU-only FSDP option)")
         family.check_devices(self.model.kwargs, use_gpu=self.scaling.use_gpu)
         for name, (verb, _) in par.BLOCK_OPTIONS.items():
-            _check(family.has_blocks or not getattr(par, name), f"parallel.{name}", getattr(par, name),
+            check_field(family.has_blocks or not getattr(par, name), f"parallel.{name}", getattr(par, name),
                    f"false for model '{self.model.name}' (it has no repeated blocks to {verb})")
         if par.compile and par.activation_checkpointing:  # the model's own dropout: parallel/compile.py checks it
             for where, p in (("model.kwargs.dropout", self.model.kwargs.get("dropout")),
@@ -110,19 +110,19 @@ class JobConfig:
                 raise ConfigError("data.seq_len", None,
                                   f"an integer >= 1 for the language model '{self.model.name}' (tokens per sample)")
             limit = family.max_seq_len(self.model.kwargs)
-            _check(limit is None or seq_len <= limit, "data.seq_len", self.data.seq_len,
+            check_field(limit is None or seq_len <= limit, "data.seq_len", self.data.seq_len,
                    f"at most {limit} (the context of model '{self.model.name}'), or null")
         else:
-            _check(self.data.seq_len is None, "data.seq_len", self.data.seq_len,
+            check_field(self.data.seq_len is None, "data.seq_len", self.data.seq_len,
                    f"null for a {task} model (tokens per sample are for lm models)")
         if self.data.source in ("text", "jsonl"):
-            _check(task == "lm", "data.source", self.data.source, f"a tabular source (parquet, "
+            check_field(task == "lm", "data.source", self.data.source, f"a tabular source (parquet, "
                    f"synthetic) for a {task} model; {self.data.source} needs an lm model")
         elif self.data.source == "parquet":
-            _check(task != "lm", "data.source", "parquet",
+            check_field(task != "lm", "data.source", "parquet",
                    "'text', 'jsonl' or 'synthetic' for an lm model (Parquet input is tabular)")
         if self.data.source == "jsonl":
-            _check(self.data.tokenizer_for(self.model) is not None, "data.tokenizer", None,
+            check_field(self.data.tokenizer_for(self.model) is not None, "data.tokenizer", None,
                    f"a local tokenizer folder for data.source jsonl (model '{self.model.name}' "
                    "has no tokenizer of its own)")
 
@@ -135,17 +135,17 @@ class JobConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "JobConfig":
-        _check(isinstance(data, dict), "config", type(data).__name__, "a mapping of sections")
-        unknown = sorted(set(data) - set(_SECTIONS), key=str)
-        _check(not unknown, unknown[0] if unknown else "", data.get(unknown[0]) if unknown else None,
-               f"no such section; sections are {list(_SECTIONS)}")
+        check_field(isinstance(data, dict), "config", type(data).__name__, "a mapping of sections")
+        unknown = sorted(set(data) - set(SECTIONS), key=str)
+        check_field(not unknown, unknown[0] if unknown else "", data.get(unknown[0]) if unknown else None,
+               f"no such section; sections are {list(SECTIONS)}")
         missing = [s for s in ("model", "data", "train", "run") if s not in data]
-        _check(not missing, missing[0] if missing else "", None, "a section (required)")
-        sections = {name: _build_section(cls_, data.get(name) or {}) for name, cls_ in _SECTIONS.items()}
+        check_field(not missing, missing[0] if missing else "", None, "a section (required)")
+        sections = {name: build_section(cls_, data.get(name) or {}) for name, cls_ in SECTIONS.items()}
         return cls(**sections)
 
     def to_dict(self) -> dict:
-        return {name: _section_dict(getattr(self, name)) for name in _SECTIONS}
+        return {name: section_dict(getattr(self, name)) for name in SECTIONS}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -154,7 +154,7 @@ class JobConfig:
         """A new config with dotted-path overrides applied and everything revalidated."""
         data = self.to_dict()
         for key, value in overrides.items():
-            _set_path(data, key, value)
+            set_path(data, key, value)
         return JobConfig.from_dict(data)
 
     @property
@@ -203,21 +203,21 @@ def _validate_parallel_dims(cfg: JobConfig) -> None:
     model's family can split it that way. Each failure is one line naming the numbers."""
     par, n = cfg.parallel, cfg.scaling.num_workers
     tp, pp = par.tp_size, par.pp_size
-    _check(n % (tp * pp) == 0, "scaling.num_workers", n,
+    check_field(n % (tp * pp) == 0, "scaling.num_workers", n,
            f"a multiple of parallel.tp_size ({tp}) x parallel.pp_size ({pp}) = {tp * pp} "
            f"(data-parallel size = num_workers / (tp_size x pp_size) = {n}/{tp * pp} must be whole)")
     if tp * pp == 1:
         return
-    _check(cfg.model.lora is None, "parallel.tp_size" if tp > 1 else "parallel.pp_size", tp if tp > 1 else pp,
+    check_field(cfg.model.lora is None, "parallel.tp_size" if tp > 1 else "parallel.pp_size", tp if tp > 1 else pp,
            "1 with model.lora (LoRA adapters have no tensor-parallel or pipeline plan: use fsdp or ddp)")
     dp = n // (tp * pp)
     stages = pp * PP_SCHEDULES[par.pp_schedule]
     family = get_family(cfg.model.name)
-    _check(not par.sequence_parallel or family.sequence_parallel, "parallel.sequence_parallel", True,
+    check_field(not par.sequence_parallel or family.sequence_parallel, "parallel.sequence_parallel", True,
            f"false for model '{cfg.model.name}' (its forward computes positions from the sequence shard it "
            "holds; TP without sequence parallelism works)")
     family.check_model_parallel(cfg.model.kwargs, tp=tp, pp=pp, stages=stages, pp_split=par.pp_split)
-    _check(par.strategy != "ddp" or tp == 1 or dp == 1, "parallel.strategy", par.strategy,
+    check_field(par.strategy != "ddp" or tp == 1 or dp == 1, "parallel.strategy", par.strategy,
            f"'fsdp' for data parallel over tensor-parallel groups (tp_size {tp} x dp {dp}: TP x FSDP)")
     if pp > 1:
         _validate_pipeline(cfg)
@@ -226,12 +226,12 @@ def _validate_parallel_dims(cfg: JobConfig) -> None:
 def _validate_pipeline(cfg: JobConfig) -> None:
     par, batch = cfg.parallel, cfg.data.batch_size
     micro = par.pp_microbatches or par.pp_size
-    _check(batch == "auto" or batch % micro == 0, "parallel.pp_microbatches", micro,
+    check_field(batch == "auto" or batch % micro == 0, "parallel.pp_microbatches", micro,
            f"a divisor of data.batch_size ({batch}): each micro-batch is cut into equal pipeline chunks")
-    _check(par.pp_schedule == "gpipe" or micro >= par.pp_size, "parallel.pp_microbatches", micro,
+    check_field(par.pp_schedule == "gpipe" or micro >= par.pp_size, "parallel.pp_microbatches", micro,
            f"at least parallel.pp_size ({par.pp_size}) for {par.pp_schedule}")
     if par.pp_schedule == "interleaved_1f1b":
-        _check(micro % par.pp_size == 0, "parallel.pp_microbatches", micro,
+        check_field(micro % par.pp_size == 0, "parallel.pp_microbatches", micro,
                f"a multiple of parallel.pp_size ({par.pp_size}) for interleaved_1f1b")
 
 

@@ -12,25 +12,26 @@ from typing import Any, Union
 
 import yaml
 
-from raytrain_platform.config.sections import _Section, _check
+from raytrain_platform.config.sections import Section, check_field
 from raytrain_platform.errors import ConfigError
 
-__all__ = ["read_yaml", "apply_overrides", "add_set_flag", "parse_override"]
+__all__ = ["read_yaml", "apply_overrides", "add_set_flag", "build_section", "parse_override", "section_dict",
+           "set_path"]
 
 
-def _section_dict(section: Any) -> dict:
+def section_dict(section: Any) -> dict:
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
 
 
-def _build_section(cls: type[_Section], data: Any) -> Any:
+def build_section(cls: type[Section], data: Any) -> Any:
     section = cls.SECTION
-    _check(isinstance(data, dict), section, data, "a mapping of keys to values")
+    check_field(isinstance(data, dict), section, data, "a mapping of keys to values")
     if hasattr(cls, "normalize"):  # a section's shorthand forms, e.g. elastic num_workers
         data = cls.normalize(data)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
-        _check(key in fields, f"{section}.{key}", data[key],
+        check_field(key in fields, f"{section}.{key}", data[key],
                f"no such key; {section} keys are {sorted(fields)}")
     kwargs = {}
     for name, f in fields.items():
@@ -60,36 +61,36 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 allowed.append(exc.allowed)
         raise ConfigError(path, value, " or ".join(allowed) + (" or null" if type(None) in args else ""))
     if tp is bool:
-        _check(isinstance(value, bool), path, value, "true or false")
+        check_field(isinstance(value, bool), path, value, "true or false")
         return value
     if tp is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), path, value, "an integer")
+        check_field(isinstance(value, int) and not isinstance(value, bool), path, value, "an integer")
         return value
     if tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        _check(ok and value == value and abs(value) != float("inf"), path, value, "a finite number")
+        check_field(ok and value == value and abs(value) != float("inf"), path, value, "a finite number")
         return float(value)
     if tp is str:
-        _check(isinstance(value, str), path, value, "a string")
+        check_field(isinstance(value, str), path, value, "a string")
         return value
     if origin is list:
-        _check(isinstance(value, list), path, value, "a list")
+        check_field(isinstance(value, list), path, value, "a list")
         return [_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if tp is dict or origin is dict:
-        _check(isinstance(value, dict), path, value, "a mapping")
+        check_field(isinstance(value, dict), path, value, "a mapping")
         return dict(value)
     raise TypeError(f"unsupported config type {tp} for {path}")  # a bug in this module
 
 
-def _set_path(data: dict, dotted: str, value: Any) -> None:
+def set_path(data: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
-    _check(len(parts) >= 2 and all(parts), dotted, value, "a dotted path like 'train.lr'")
+    check_field(len(parts) >= 2 and all(parts), dotted, value, "a dotted path like 'train.lr'")
     node = data
     for part in parts[:-1]:
         if node.get(part) is None:  # absent, or a section left empty in the YAML (`parallel:`)
             node[part] = {}
         nxt = node[part]
-        _check(isinstance(nxt, dict), dotted, value, f"a path into a mapping ('{part}' is not one)")
+        check_field(isinstance(nxt, dict), dotted, value, f"a path into a mapping ('{part}' is not one)")
         node = nxt
     node[parts[-1]] = value
 
@@ -110,7 +111,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     (('data.glob', '**/*.txt'), ('data.feature_columns', ['a', 'b']))
     """
     key, sep, raw = text.partition("=")
-    _check(bool(sep) and bool(key.strip()), "--set", text, "KEY=VALUE, e.g. train.lr=3e-4")
+    check_field(bool(sep) and bool(key.strip()), "--set", text, "KEY=VALUE, e.g. train.lr=3e-4")
     try:
         value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else None
     except yaml.YAMLError:
@@ -123,7 +124,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
     for text in overrides or []:
         key, value = parse_override(text)
-        _set_path(data, key, value)
+        set_path(data, key, value)
     return data
 
 

@@ -20,7 +20,7 @@ from raytrain_platform.parallel.registry import STRATEGIES, strategy_names
 from raytrain_platform.units import parse_size
 
 __all__ = ["ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "ScalingConfig", "RunConfig",
-           "TRACKERS"]
+           "SECTIONS", "Section", "TRACKERS", "check_field"]
 
 _REQUIRED: Any = dataclasses.MISSING
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # fullmatch: "$" lets a final newline in
@@ -32,7 +32,7 @@ TRACKERS: tuple[str, ...] = ("mlflow", "tensorboard")
 MAX_TORCH_THREADS = 4096  # torch.set_num_threads takes a C int; no machine has more cores
 
 
-def _check(ok: bool, path: str, value: object, allowed: str) -> None:
+def check_field(ok: bool, path: str, value: object, allowed: str) -> None:
     if not ok:
         raise ConfigError(path, value, allowed)
 
@@ -65,11 +65,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         family = get_family(self.name)
-        _check(self.task is None or self.task in TASKS, "model.task", self.task, f"one of {list(TASKS)}")
+        check_field(self.task is None or self.task in TASKS, "model.task", self.task, f"one of {list(TASKS)}")
         # Fills in defaults and rejects unknown or bad keys with the field named.
         self.kwargs = family.resolve_kwargs(self.kwargs)
         self.task = family.resolve_task(self.kwargs, self.task)
-        _check(self.block_class is None or bool(re.fullmatch(r"[A-Za-z_]\w*", self.block_class)),
+        check_field(self.block_class is None or bool(re.fullmatch(r"[A-Za-z_]\w*", self.block_class)),
                "model.block_class", self.block_class, "a Python class name, or null")
         if self.lora is not None:
             self.lora = resolve_lora(self.lora)
@@ -169,6 +169,14 @@ class DataConfig:
     driver's own below 16 MiB to tokenize, and in a Ray actor (a sweep's trial), else one per core it may
     use (divided among a torchrun node's ranks), at most 16; `N`: that many (1: the driver's process alone).
     The windows are the same either way."""
+    packing: Union[str, None] = None
+    """`jsonl`: how documents fill the windows of `data.seq_len + 1` tokens. `documents`: whole documents,
+    best-fit packed, each apart (its positions start at 0 and it attends only to itself, through position ids
+    that transformers turns into a block-causal mask); the rest of a window is padding (loss mask 0); a
+    document longer than a window is truncated, and `rtp validate` says how many. `concat`: one stream cut
+    into windows (a document may span two and attends to those before it). Default: `documents` for
+    `prompt_completion` and `chat` where the model takes position ids (`hf`), else `concat`. Not with
+    `parallel.pp_size > 1`. See [data.md](data.md#jsonl-and-tokenized-text)."""
 
     _ALLOWED: ClassVar[dict[str, str]] = {
         "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)",
@@ -179,48 +187,52 @@ class DataConfig:
     _FIELDS: ClassVar[tuple[str, ...]] = ("text_field", "prompt_field", "completion_field", "messages_field")
 
     def __post_init__(self) -> None:
-        _check(self.source in self._SOURCES, "data.source", self.source, f"one of {list(self._SOURCES)}")
-        _check(self.format in self._FORMATS, "data.format", self.format, f"one of {list(self._FORMATS)}")
-        _check(self.format == "text" or self.source == "jsonl", "data.format", self.format,
+        check_field(self.source in self._SOURCES, "data.source", self.source, f"one of {list(self._SOURCES)}")
+        check_field(self.format in self._FORMATS, "data.format", self.format, f"one of {list(self._FORMATS)}")
+        check_field(self.format == "text" or self.source == "jsonl", "data.format", self.format,
                f"'text' for data.source {self.source} (prompt_completion and chat are jsonl formats)")
         if self.tokenizer is not None:
-            _check(self.source in ("text", "jsonl"), "data.tokenizer", self.tokenizer,
+            check_field(self.source in ("text", "jsonl"), "data.tokenizer", self.tokenizer,
                    f"null for data.source {self.source} (a tokenizer reads text or jsonl)")
-            _check(bool(self.tokenizer), "data.tokenizer", self.tokenizer, "a tokenizer folder, or null")
+            check_field(bool(self.tokenizer), "data.tokenizer", self.tokenizer, "a tokenizer folder, or null")
         for name in self._FIELDS:
-            _check(bool(getattr(self, name)), f"data.{name}", getattr(self, name), "a JSON field name")
-        _check(self.source != "jsonl" or bool(self.path), "data.path", self.path,
+            check_field(bool(getattr(self, name)), f"data.{name}", getattr(self, name), "a JSON field name")
+        check_field(self.source != "jsonl" or bool(self.path), "data.path", self.path,
                "a .jsonl file, a folder of them or a URI when data.source is jsonl")
-        _check(self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
+        check_field(self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
                "data.batch_size", self.batch_size, self._ALLOWED["batch_size"])
-        _check(self.tokenize_processes == "auto" or (type(self.tokenize_processes) is int
+        check_field(self.tokenize_processes == "auto" or (type(self.tokenize_processes) is int
                                                      and self.tokenize_processes >= 1),
                "data.tokenize_processes", self.tokenize_processes, self._ALLOWED["tokenize_processes"])
-        _check(self.source != "parquet" or bool(self.path), "data.path", self.path,
+        check_field(self.source != "parquet" or bool(self.path), "data.path", self.path,
                "a folder or URI of Parquet files when data.source is parquet")
-        _check(self.val_path is None or self.source == "parquet", "data.val_path", self.val_path,
+        check_field(self.val_path is None or self.source == "parquet", "data.val_path", self.val_path,
                f"null for data.source {self.source} (a separate validation path is read for parquet; "
                "the other sources hold out data.val_fraction)")
-        _check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction,
+        check_field(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction,
                "a number in [0, 1)")
-        _check(1 <= self.num_samples <= MAX_SYNTHETIC, "data.num_samples", self.num_samples,
+        check_field(1 <= self.num_samples <= MAX_SYNTHETIC, "data.num_samples", self.num_samples,
                f"an integer from 1 to {MAX_SYNTHETIC:,} (synthetic data: its sample ids are held in memory)")
-        _check(self.num_features >= 1, "data.num_features", self.num_features, "an integer >= 1")
-        _check(self.num_classes >= 2, "data.num_classes", self.num_classes, "an integer >= 2")
-        _check(self.max_files is None or self.max_files >= 1, "data.max_files", self.max_files,
+        check_field(self.num_features >= 1, "data.num_features", self.num_features, "an integer >= 1")
+        check_field(self.num_classes >= 2, "data.num_classes", self.num_classes, "an integer >= 2")
+        check_field(self.max_files is None or self.max_files >= 1, "data.max_files", self.max_files,
                "an integer >= 1 or null")
-        _check(self.seq_len is None or self.seq_len >= 1, "data.seq_len", self.seq_len,
+        check_field(self.seq_len is None or self.seq_len >= 1, "data.seq_len", self.seq_len,
                "an integer >= 1 or null (the model's context)")
         for name in ("seed", "shuffle_seed"):
             value = getattr(self, name)
-            _check(value is None or 0 <= value < SEED_LIMIT, f"data.{name}", value, SEED_ALLOWED)
-        _check(self.prefetch_batches >= 0, "data.prefetch_batches", self.prefetch_batches,
+            check_field(value is None or 0 <= value < SEED_LIMIT, f"data.{name}", value, SEED_ALLOWED)
+        check_field(self.prefetch_batches >= 0, "data.prefetch_batches", self.prefetch_batches,
                "an integer >= 0")
-        _check(self.shuffle_buffer >= 0, "data.shuffle_buffer", self.shuffle_buffer,
+        check_field(self.shuffle_buffer >= 0, "data.shuffle_buffer", self.shuffle_buffer,
                "an integer >= 0 (0 = no shuffle)")
-        _check(self.max_read_rows_per_s is None or self.max_read_rows_per_s > 0,
+        check_field(self.max_read_rows_per_s is None or self.max_read_rows_per_s > 0,
                "data.max_read_rows_per_s", self.max_read_rows_per_s, "a number > 0 or null (no limit)")
-        _check(self.feature_columns is None or len(self.feature_columns) > 0,
+        check_field(self.packing in (None, "documents", "concat"), "data.packing", self.packing,
+               "documents, concat, or null (documents for jsonl prompt_completion and chat)")
+        check_field(self.packing != "documents" or self.source == "jsonl", "data.packing", self.packing,
+               f"concat for data.source {self.source} (documents packs jsonl records)")
+        check_field(self.feature_columns is None or len(self.feature_columns) > 0,
                "data.feature_columns", self.feature_columns, "a non-empty list of column names or null")
 
     @property
@@ -235,6 +247,19 @@ class DataConfig:
             return self.batch_size
         raise ConfigError("data.batch_size", self.batch_size,
                           "a number here: 'auto' is decided when the job is resolved (rtp validate, rtp train)")
+
+    @property
+    def resolved_packing(self) -> str:
+        """``packing``, or where unset the format's default: documents for jsonl
+        prompt_completion and chat, concat otherwise (resolve_job sets it to concat for a
+        model that takes no position ids).
+
+        >>> DataConfig(source="jsonl", path="d", format="chat", batch_size=8).resolved_packing
+        'documents'
+        """
+        if self.packing is not None:
+            return self.packing
+        return "documents" if self.source == "jsonl" and self.format != "text" else "concat"
 
     def tokenizer_for(self, model: ModelConfig) -> str | None:
         """The tokenizer folder text and jsonl are read with: ``data.tokenizer``, else the
@@ -299,36 +324,36 @@ class TrainConfig:
     _LOGITS: ClassVar[tuple[str, ...]] = ("counted", "all")
 
     def __post_init__(self) -> None:
-        _check(self.max_steps is not None or self.epochs is not None, "train.max_steps",
+        check_field(self.max_steps is not None or self.epochs is not None, "train.max_steps",
                self.max_steps, "an integer >= 1 (or set train.epochs)")
-        _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps,
+        check_field(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps,
                "an integer >= 1 or null")
-        _check(self.epochs is None or self.epochs >= 1, "train.epochs", self.epochs,
+        check_field(self.epochs is None or self.epochs >= 1, "train.epochs", self.epochs,
                "an integer >= 1 or null")
-        _check(self.grad_accum_steps >= 1, "train.grad_accum_steps", self.grad_accum_steps,
+        check_field(self.grad_accum_steps >= 1, "train.grad_accum_steps", self.grad_accum_steps,
                "an integer >= 1")
-        _check(self.global_batch_size is None or self.global_batch_size >= 1, "train.global_batch_size",
+        check_field(self.global_batch_size is None or self.global_batch_size >= 1, "train.global_batch_size",
                self.global_batch_size, "an integer >= 1 or null")
-        _check(self.lr > 0, "train.lr", self.lr, "a number > 0")
-        _check(0 <= self.seed < SEED_LIMIT, "train.seed", self.seed, SEED_ALLOWED)
-        _check(self.optimizer in ("adamw", "sgd"), "train.optimizer", self.optimizer,
+        check_field(self.lr > 0, "train.lr", self.lr, "a number > 0")
+        check_field(0 <= self.seed < SEED_LIMIT, "train.seed", self.seed, SEED_ALLOWED)
+        check_field(self.optimizer in ("adamw", "sgd"), "train.optimizer", self.optimizer,
                "one of ['adamw', 'sgd']")
-        _check(self.logits in self._LOGITS, "train.logits", self.logits, f"one of {list(self._LOGITS)}")
-        _check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "a number >= 0")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas",
+        check_field(self.logits in self._LOGITS, "train.logits", self.logits, f"one of {list(self._LOGITS)}")
+        check_field(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "a number >= 0")
+        check_field(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas",
                self.betas, "two numbers in [0, 1)")
-        _check(0 <= self.momentum < 1, "train.momentum", self.momentum, "a number in [0, 1)")
-        _check(self.lr_schedule in ("cosine", "constant"), "train.lr_schedule", self.lr_schedule,
+        check_field(0 <= self.momentum < 1, "train.momentum", self.momentum, "a number in [0, 1)")
+        check_field(self.lr_schedule in ("cosine", "constant"), "train.lr_schedule", self.lr_schedule,
                "one of ['cosine', 'constant']")
-        _check(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "an integer >= 0")
-        _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
+        check_field(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "an integer >= 0")
+        check_field(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
                "a number in [0, 1]")
-        _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a number >= 0 (0 = off)")
-        _check(self.precision in ("fp32", "bf16"), "train.precision", self.precision,
+        check_field(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a number >= 0 (0 = off)")
+        check_field(self.precision in ("fp32", "bf16"), "train.precision", self.precision,
                "one of ['fp32', 'bf16']")
-        _check(self.on_nonfinite in self._ON_NONFINITE, "train.on_nonfinite", self.on_nonfinite,
+        check_field(self.on_nonfinite in self._ON_NONFINITE, "train.on_nonfinite", self.on_nonfinite,
                f"one of {list(self._ON_NONFINITE)}")
-        _check(self.max_nonfinite_skips >= 1, "train.max_nonfinite_skips", self.max_nonfinite_skips,
+        check_field(self.max_nonfinite_skips >= 1, "train.max_nonfinite_skips", self.max_nonfinite_skips,
                "an integer >= 1 (consecutive skipped steps before the run stops)")
 
 
@@ -394,23 +419,23 @@ class ParallelConfig:
         return [f"parallel.{name}" for name in self.BLOCK_OPTIONS if getattr(self, name)]
 
     def __post_init__(self) -> None:
-        _check(self.strategy in STRATEGIES or self.strategy == "auto", "parallel.strategy",
+        check_field(self.strategy in STRATEGIES or self.strategy == "auto", "parallel.strategy",
                self.strategy, f"one of {strategy_names()} or 'auto' (chosen by the plan at launch)")
-        _check(self.ddp_bucket_cap_mb > 0, "parallel.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb,
+        check_field(self.ddp_bucket_cap_mb > 0, "parallel.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb,
                "a number > 0")
         for name in ("tp_size", "pp_size"):
-            _check(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "an integer >= 1")
-        _check(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
+            check_field(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "an integer >= 1")
+        check_field(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
                f"one of {list(PP_SCHEDULES)}")
-        _check(self.pp_microbatches is None or self.pp_microbatches >= 1, "parallel.pp_microbatches",
+        check_field(self.pp_microbatches is None or self.pp_microbatches >= 1, "parallel.pp_microbatches",
                self.pp_microbatches, "an integer >= 1 or null")
-        _check(self.pp_split is None or all(n >= 1 for n in self.pp_split), "parallel.pp_split",
+        check_field(self.pp_split is None or all(n >= 1 for n in self.pp_split), "parallel.pp_split",
                self.pp_split, "a list of block counts >= 1, or null")
-        _check(self.tp_size > 1 or not self.sequence_parallel, "parallel.sequence_parallel",
+        check_field(self.tp_size > 1 or not self.sequence_parallel, "parallel.sequence_parallel",
                self.sequence_parallel, "false unless parallel.tp_size > 1")
         if self.strategy not in ("fsdp", "auto"):
             for name, default in self._FSDP_ONLY.items():
-                _check(getattr(self, name) == default, f"parallel.{name}", getattr(self, name),
+                check_field(getattr(self, name) == default, f"parallel.{name}", getattr(self, name),
                        f"{str(default).lower()} unless parallel.strategy is 'fsdp'")
 
 
@@ -446,10 +471,10 @@ class ScalingConfig:
         n = data.get("num_workers")
         if not isinstance(n, dict):
             return data
-        _check(set(n) == {"min", "max"} and all(isinstance(v, int) and not isinstance(v, bool)
+        check_field(set(n) == {"min", "max"} and all(isinstance(v, int) and not isinstance(v, bool)
                                                  for v in n.values()),
                "scaling.num_workers", n, "an integer >= 1, or {min: M, max: N} with integers (elastic)")
-        _check("min_workers" not in data, "scaling.min_workers", data.get("min_workers"),
+        check_field("min_workers" not in data, "scaling.min_workers", data.get("min_workers"),
                "unset when scaling.num_workers is {min, max}")
         return {**data, "num_workers": n["max"], "min_workers": n["min"]}
 
@@ -458,17 +483,17 @@ class ScalingConfig:
         return self.min_workers is not None and self.min_workers < self.num_workers
 
     def __post_init__(self) -> None:
-        _check(self.min_workers is None or 1 <= self.min_workers <= self.num_workers,
+        check_field(self.min_workers is None or 1 <= self.min_workers <= self.num_workers,
                "scaling.min_workers", self.min_workers,
                f"null or an integer from 1 to scaling.num_workers ({self.num_workers})")
-        _check(self.placement_strategy in self._PLACEMENT, "scaling.placement_strategy",
+        check_field(self.placement_strategy in self._PLACEMENT, "scaling.placement_strategy",
                self.placement_strategy, f"one of {list(self._PLACEMENT)}")
         if self.memory_budget is not None:
             parse_size("scaling.memory_budget", self.memory_budget)
-        _check(self.num_workers >= 1, "scaling.num_workers", self.num_workers, "an integer >= 1")
-        _check(self.cpus_per_worker > 0, "scaling.cpus_per_worker", self.cpus_per_worker,
+        check_field(self.num_workers >= 1, "scaling.num_workers", self.num_workers, "an integer >= 1")
+        check_field(self.cpus_per_worker > 0, "scaling.cpus_per_worker", self.cpus_per_worker,
                "a number > 0")
-        _check(self.torch_threads is None or 1 <= self.torch_threads <= MAX_TORCH_THREADS, "scaling.torch_threads",
+        check_field(self.torch_threads is None or 1 <= self.torch_threads <= MAX_TORCH_THREADS, "scaling.torch_threads",
                self.torch_threads, f"an integer from 1 to {MAX_TORCH_THREADS} or null")
 
     @property
@@ -520,32 +545,32 @@ class RunConfig:
         return {**data, "tracking": []} if "tracking" in data and value is None else data
 
     def __post_init__(self) -> None:
-        _check(bool(_RUN_NAME.fullmatch(self.name)), "run.name", self.name,
+        check_field(bool(_RUN_NAME.fullmatch(self.name)), "run.name", self.name,
                "1-128 characters of letters, digits, '_', '-', '.' starting with a letter or digit")
-        _check(bool(self.storage_path), "run.storage_path", self.storage_path, "a non-empty path")
-        _check(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every,
+        check_field(bool(self.storage_path), "run.storage_path", self.storage_path, "a non-empty path")
+        check_field(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every,
                "an integer >= 0")
-        _check(self.keep_checkpoints >= 1, "run.keep_checkpoints", self.keep_checkpoints,
+        check_field(self.keep_checkpoints >= 1, "run.keep_checkpoints", self.keep_checkpoints,
                "an integer >= 1")
-        _check(self.max_failures >= -1, "run.max_failures", self.max_failures,
+        check_field(self.max_failures >= -1, "run.max_failures", self.max_failures,
                "an integer >= -1 (-1 = unlimited)")
-        _check(self.eval_every >= 0, "run.eval_every", self.eval_every, "an integer >= 0")
-        _check(self.eval_batches >= 1, "run.eval_batches", self.eval_batches, "an integer >= 1")
-        _check(self.log_every >= 1, "run.log_every", self.log_every, "an integer >= 1")
+        check_field(self.eval_every >= 0, "run.eval_every", self.eval_every, "an integer >= 0")
+        check_field(self.eval_batches >= 1, "run.eval_batches", self.eval_batches, "an integer >= 1")
+        check_field(self.log_every >= 1, "run.log_every", self.log_every, "an integer >= 1")
         self._check_tracking()
 
     def _check_tracking(self) -> None:
         for i, name in enumerate(self.tracking):
-            _check(name in TRACKERS, f"run.tracking[{i}]", name, f"one of {list(TRACKERS)}")
+            check_field(name in TRACKERS, f"run.tracking[{i}]", name, f"one of {list(TRACKERS)}")
         self.tracking = list(dict.fromkeys(self.tracking))
         for key in ("tracking_uri", "experiment"):
-            _check(getattr(self, key) is None or bool(getattr(self, key).strip()), f"run.{key}",
+            check_field(getattr(self, key) is None or bool(getattr(self, key).strip()), f"run.{key}",
                    getattr(self, key), "a non-empty string, or null (the default)")
         mlflow = "mlflow" in self.tracking
-        _check(mlflow or not self.log_checkpoints, "run.log_checkpoints", self.log_checkpoints,
+        check_field(mlflow or not self.log_checkpoints, "run.log_checkpoints", self.log_checkpoints,
                "false unless run.tracking includes mlflow")
         # The default store is a SQLite file in storage_path, which must then be a local path.
-        _check(not mlflow or self.tracking_uri is not None or "://" not in self.storage_path
+        check_field(not mlflow or self.tracking_uri is not None or "://" not in self.storage_path
                or bool(os.environ.get("MLFLOW_TRACKING_URI")), "run.tracking_uri", None,
                f"an MLflow tracking URI when run.storage_path is a URI ({self.storage_path}): "
                "the default SQLite store needs a local storage_path (or set MLFLOW_TRACKING_URI)")
@@ -555,8 +580,8 @@ class RunConfig:
         return os.path.join(self.storage_path, self.name)
 
 
-_Section = ModelConfig | DataConfig | TrainConfig | ParallelConfig | ScalingConfig | RunConfig
-_SECTIONS: dict[str, type[_Section]] = {
+Section = ModelConfig | DataConfig | TrainConfig | ParallelConfig | ScalingConfig | RunConfig
+SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig,
     "data": DataConfig,
     "train": TrainConfig,

@@ -176,7 +176,7 @@ class Engine:
                     inputs, targets, lambda out, tgt: self.task.loss_sum(out, tgt) * scale, sync=sync)
         with contextlib.nullcontext() if sync else self.wrapped.no_sync():
             with self.autocast, counted_positions(self._head_for(batch), targets, rows) as kept:
-                outputs = self.wrapped.module(inputs)
+                outputs = self.wrapped.module(inputs, **self.task.forward_kwargs(batch))
                 loss = self.task.loss_sum(outputs, kept.targets(self.task.logits(outputs))) * scale
             aux = self._aux_loss(outputs)
             (loss if aux is None else loss + aux).backward()
@@ -236,15 +236,15 @@ class Engine:
         sums = torch.zeros(3)
         for batch in batches:
             counts = not batch.get(EVAL_PAD)
-            batch = {k: v for k, v in batch.items() if k != EVAL_PAD}
-            inputs, targets = self.task.split(self._to_device(batch))
+            batch = self._to_device({k: v for k, v in batch.items() if k != EVAL_PAD})
+            inputs, targets = self.task.split(batch)
             with self.autocast:
                 if self.wrapped.pipeline is not None:  # sums on the last stage, zeros before it
                     part = self.wrapped.pipeline.evaluate(inputs, targets, self.task.eval_sums).cpu()
                     sums += part if counts else 0
                     continue
                 with counted_positions(self._head_for(batch), targets) as kept:
-                    outputs = self.wrapped.module(inputs)
+                    outputs = self.wrapped.module(inputs, **self.task.forward_kwargs(batch))
                 targets = kept.targets(self.task.logits(outputs))
             part = self.task.eval_sums(outputs, targets).cpu()
             sums += part if counts else 0

@@ -22,7 +22,9 @@ Each document ends with the tokenizer's EOS. Documents go to train or val by a h
 of the file's path under ``data.path`` and the line's index (`sources.split_keys`)
 *before* packing, so no window mixes the two splits, and a record keeps its split when
 other files are added to the folder; then each file's documents are concatenated and cut into non-overlapping
-windows of ``seq_len`` tokens (the tail is dropped). ``loss_mask[t]`` says whether
+windows of ``seq_len`` tokens (the tail is dropped): ``packing`` concat. With ``packing``
+documents, whole documents are packed into windows instead, each apart (`packing.py`;
+the windows then carry ``position_ids``). ``loss_mask[t]`` says whether
 token ``t`` is a training target: a trainer that predicts ``tokens[:, 1:]`` from
 ``tokens[:, :-1]`` weights its loss by ``loss_mask[:, 1:]``.
 
@@ -47,6 +49,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from raytrain_platform.data import pool
+from raytrain_platform.data.packing import PACKINGS, DocumentPacker, pad_id, window_arrays
 # Tokenizing records is encode.py's; its public names are this module's too.
 from raytrain_platform.data.encode import _batches, _check_record, _encode, encode_record, load_tokenizer
 from raytrain_platform.data.sources import filesystem, split_key, split_keys, split_mask
@@ -64,6 +67,7 @@ __all__ = [
     "jsonl_windows",
     "iter_windows",
     "check_fits",
+    "make_packer",
 ]
 
 FORMATS = ("text", "prompt_completion", "chat")
@@ -85,10 +89,13 @@ class JsonlSpec:
     messages_field: str = "messages"
     window_cache: bool = True  # keep packed windows in the token cache (`_TokenCache`)
     tokenize_processes: int | str = "auto"  # the count pass's (`pool.count_processes`)
+    packing: str = "concat"  # documents | concat (`packing.py`)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ConfigError("data.format", self.format, f"one of {', '.join(FORMATS)}")
+        if self.packing not in PACKINGS:
+            raise ConfigError("data.packing", self.packing, f"one of {', '.join(PACKINGS)}")
         if not (isinstance(self.seq_len, int) and self.seq_len >= 2):
             raise ConfigError("data.seq_len", self.seq_len, "an integer >= 2 (context + 1)")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -230,6 +237,7 @@ class _Packer:
         self.seq_len, self.first_id, self.chunk = seq_len, first_id, rows * seq_len
         self.pending: list[tuple[np.ndarray, np.ndarray]] = []
         self.have = self.done = 0
+        self.truncated = 0  # never: a document may span windows
 
     def _windows(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
         n = ids.size // self.seq_len
@@ -241,8 +249,10 @@ class _Packer:
     def _joined(self) -> tuple[np.ndarray, np.ndarray]:
         return np.concatenate([i for i, _ in self.pending]), np.concatenate([m for _, m in self.pending])
 
-    def add(self, doc_ids: list[int] | np.ndarray, doc_mask: list[int] | np.ndarray) -> list[dict[str, np.ndarray]]:
-        """The chunks this document (or several, concatenated) completes (often none)."""
+    def add(self, doc_ids: list[int] | np.ndarray, doc_mask: list[int] | np.ndarray,
+            lengths: object = None) -> list[dict[str, np.ndarray]]:
+        """The chunks this document (or several, concatenated; their `lengths` do not
+        matter here) completes (often none)."""
         self.pending.append((np.asarray(doc_ids, dtype=np.int32), np.asarray(doc_mask, dtype=np.uint8)))
         self.have += len(doc_ids)
         if self.have < self.chunk:
@@ -263,21 +273,32 @@ class _Packer:
         return [self._windows(ids[:n], mask[:n])]
 
 
+def make_packer(spec: JsonlSpec, first_id: int, rows: int) -> _Packer | DocumentPacker:
+    """The packer of `spec.packing`: `_Packer` (concat) or `packing.DocumentPacker`,
+    its windows' ids from `first_id` on, `rows` windows to a chunk."""
+    if spec.packing == "concat":
+        return _Packer(spec.seq_len, first_id, rows)
+    tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
+    return DocumentPacker(spec.seq_len, first_id, rows, pad_id(tok))
+
+
 def _pack(docs: Iterable[tuple[list[int], list[int]]], seq_len: int, first_id: int,
-          rows: int) -> Iterator[dict[str, np.ndarray]]:
-    """`_Packer`'s chunks of `docs`, as the documents fill them."""
-    packer = _Packer(seq_len, first_id, rows)
+          rows: int, packer: _Packer | DocumentPacker | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """The chunks of `docs` (by `packer`, default `_Packer`), as the documents fill them."""
+    packer = packer or _Packer(seq_len, first_id, rows)
     for doc_ids, doc_mask in docs:
         yield from packer.add(doc_ids, doc_mask)
     yield from packer.end()
 
 
-def _joined(chunks: Iterable[dict[str, np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
+def _joined(chunks: Iterable[dict[str, np.ndarray]], seq_len: int, packing: str = "concat") -> dict[str, np.ndarray]:
     """Chunks of windows as one batch (empty arrays of the right shapes if none)."""
     parts = list(chunks)
     if not parts:
-        return {"tokens": np.zeros((0, seq_len), np.int32), "loss_mask": np.zeros((0, seq_len), np.uint8),
-                "sample_id": np.zeros(0, np.int64)}
+        empty: dict[str, np.ndarray] = {
+            "tokens": np.zeros((0, seq_len), np.int32), "loss_mask": np.zeros((0, seq_len), np.uint8),
+            "sample_id": np.zeros(0, np.int64), "position_ids": np.zeros((0, seq_len), np.int32)}
+        return {k: empty[k] for k in window_arrays(packing)}
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
@@ -288,13 +309,15 @@ def stream_jsonl_windows(file_index: int, path: str, spec: JsonlSpec, split: str
     time) fill it."""
     _check_split(split)
     docs = ((ids, mask) for _, ids, mask in _documents(file_index, path, spec, (split,)))
-    return _pack(docs, spec.seq_len, _first_id(file_index, split), rows or stream_rows(spec.seq_len))
+    first, rows = _first_id(file_index, split), rows or stream_rows(spec.seq_len)
+    return _pack(docs, spec.seq_len, first, rows, make_packer(spec, first, rows))
 
 
 def jsonl_windows(file_index: int, path: str, spec: JsonlSpec, split: str) -> dict[str, np.ndarray]:
     """One file's `split` documents packed into windows: ``tokens`` int32 (n, seq_len),
-    ``loss_mask`` uint8 (n, seq_len) and a stable, unique ``sample_id`` int64 (n,)."""
-    return _joined(stream_jsonl_windows(file_index, path, spec, split), spec.seq_len)
+    ``loss_mask`` uint8 (n, seq_len) and a stable, unique ``sample_id`` int64 (n,);
+    with ``data.packing: documents``, ``position_ids`` int32 (n, seq_len) too."""
+    return _joined(stream_jsonl_windows(file_index, path, spec, split), spec.seq_len, spec.packing)
 
 
 def iter_windows(spec: JsonlSpec, split: str) -> Iterator[dict[str, np.ndarray]]:
@@ -304,10 +327,11 @@ def iter_windows(spec: JsonlSpec, split: str) -> Iterator[dict[str, np.ndarray]]
 
 
 def _file_key(file_index: int, path: str, spec: JsonlSpec) -> dict:
-    """A .jsonl file's part of its token cache keys."""
-    return {"file_index": file_index, "split_key": split_key(path, spec.path), "format": spec.format,
-            "val_fraction": spec.val_fraction,
-            "fields": [spec.text_field, spec.prompt_field, spec.completion_field, spec.messages_field]}
+    """A .jsonl file's part of its token cache keys (concat's as before packing was a choice)."""
+    key = {"file_index": file_index, "split_key": split_key(path, spec.path), "format": spec.format,
+           "val_fraction": spec.val_fraction,
+           "fields": [spec.text_field, spec.prompt_field, spec.completion_field, spec.messages_field]}
+    return key if spec.packing == "concat" else {**key, "packing": spec.packing}
 
 
 def _first_id(file_index: int, split: str) -> int:

@@ -17,13 +17,13 @@ from typing import Any, Iterator
 import numpy as np
 
 from raytrain_platform.data import jsonl, pool, text_groups, window_cache
-from raytrain_platform.data.jsonl import JsonlSpec, _Packer, _check_split, _file_key, _first_id, stream_rows
+from raytrain_platform.data.jsonl import JsonlSpec, _check_split, _file_key, _first_id, make_packer, stream_rows
 from raytrain_platform.data.sources import filesystem, split_mask
 from raytrain_platform.data.token_cache import MAX_SIZE_ENV, _CountedWindows, _TokenCache, windows_limit
 from raytrain_platform.errors import ConfigError, DataError
 from raytrain_platform.units import format_size
 
-__all__ = ["CountProgress", "count_windows", "count_text_windows", "piece_windows"]
+__all__ = ["CountProgress", "Counted", "count_windows", "count_packed", "count_text_windows", "piece_windows"]
 
 
 class CountProgress:
@@ -94,13 +94,16 @@ class _Piece:
         return text_groups._group_key(self.index, spec) if self.text else _file_key(self.index, self.paths[0], spec)
 
     def sums_key(self, spec: JsonlSpec) -> dict:
-        return {"text_group": True} if self.text else self.key(spec)
+        if self.text:
+            return {"text_group": True}
+        # documents: window counts, which depend on the window's length
+        return self.key(spec) if spec.packing == "concat" else {**self.key(spec), "seq_len": spec.seq_len}
 
-    @property
-    def sums(self) -> int:
-        """Token sums kept: train and val for a file, all for a text group (its windows
-        go to a split by their ids, after packing)."""
-        return 1 if self.text else 2
+    def sums(self, spec: JsonlSpec) -> int:
+        """Sums kept: train and val tokens for a file, all tokens for a text group (its
+        windows go to a split by their ids, after packing); with ``data.packing:
+        documents``, train and val windows and the documents truncated."""
+        return 1 if self.text else 2 if spec.packing == "concat" else 3
 
     def tasks(self, spec: JsonlSpec) -> Iterator[tuple[tuple, bool]]:
         """(`_tokenize_task`'s task, whether it is the piece's last), in order: a text
@@ -123,11 +126,15 @@ class _Piece:
         yield ("jsonl", self.index, path, *block, spec), True
 
 
-def _tokenize_task(task: tuple) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """(documents, {split: (token ids int32, loss mask uint8)}) of one task: each
-    split's documents concatenated in order ("train" and "val" for a block of a file,
-    "all" for a text group). Runs in the count pass's worker processes, or in its own."""
-    parts: dict[str, tuple[list[int], list[int]]] = {}
+_Parts = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _tokenize_task(task: tuple) -> tuple[int, _Parts]:
+    """(documents, {split: (token ids int32, loss mask uint8, document lengths int64)})
+    of one task: each split's documents concatenated in order ("train" and "val" for a
+    block of a file, "all" for a text group). Runs in the count pass's worker
+    processes, or in its own."""
+    parts: dict[str, tuple[list[int], list[int], list[int]]] = {}
     docs = 0
     if task[0] == "error":
         raise DataError(task[1])
@@ -139,24 +146,27 @@ def _tokenize_task(task: tuple) -> tuple[int, dict[str, tuple[np.ndarray, np.nda
         found = (("val" if v else "train", ids, mask)
                  for v, ids, mask in jsonl._documents(file_index, path, spec, lines=(first, block)))
     for split, ids, mask in found:
-        all_ids, all_mask = parts.setdefault(split, ([], []))
+        all_ids, all_mask, lengths = parts.setdefault(split, ([], [], []))
         all_ids += ids
         all_mask += mask
+        lengths.append(len(ids))
         docs += 1
-    return docs, {split: (np.array(ids, dtype=np.int32), np.array(mask, dtype=np.uint8))
-                  for split, (ids, mask) in parts.items()}
+    return docs, {split: (np.array(ids, dtype=np.int32), np.array(mask, dtype=np.uint8),
+                          np.array(lengths, dtype=np.int64)) for split, (ids, mask, lengths) in parts.items()}
 
 
 class _PieceCount:
-    """One piece's tokens as its tasks give them back, in order: its token sums, and
-    its windows packed and written to the token cache (the splits it lacks)."""
+    """One piece's tokens as its tasks give them back, in order: its sums (`_Piece.sums`),
+    and its windows packed and written to the token cache (the splits it lacks)."""
 
     def __init__(self, piece: _Piece, spec: JsonlSpec, cache: _TokenCache | None, missing: list[str]):
         rows = stream_rows(spec.seq_len)
         self.out = _CountedWindows(cache, list(piece.paths), piece.key(spec), spec, missing)
-        self.tokens = [0] * piece.sums
-        self.packers = ({"all": _Packer(spec.seq_len, piece.index << 32, rows)} if piece.text else
-                        {s: _Packer(spec.seq_len, _first_id(piece.index, s), rows) for s in ("train", "val")})
+        self.tokens = [0] * piece.sums(spec)
+        # documents: windows are counted by packing them, kept or not
+        self.counting = spec.packing == "documents"
+        self.packers = ({"all": make_packer(spec, piece.index << 32, rows)} if piece.text else
+                        {s: make_packer(spec, _first_id(piece.index, s), rows) for s in ("train", "val")})
 
     def _put(self, split: str, chunks: list[dict[str, np.ndarray]]) -> None:
         if split == "all":
@@ -167,21 +177,29 @@ class _PieceCount:
     def _wants(self, split: str) -> bool:
         return bool(self.out.writers) if split == "all" else self.out.wants(split)
 
-    def add(self, parts: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
+    def add(self, parts: _Parts) -> int:
         """Adds a task's tokens; returns how many."""
         added = 0
-        for split, (ids, mask) in parts.items():
-            self.tokens[split == "val"] += ids.size
+        for split, (ids, mask, lengths) in parts.items():
+            if not self.counting:
+                self.tokens[split == "val"] += ids.size
             added += ids.size
-            if self._wants(split):
-                self._put(split, self.packers[split].add(ids, mask))
+            if self._wants(split) or self.counting:
+                chunks = self.packers[split].add(ids, mask, lengths)
+                if self._wants(split):
+                    self._put(split, chunks)
         return added
 
     def finish(self) -> list[int]:
         for split, packer in self.packers.items():
-            if self._wants(split):
-                self._put(split, packer.end())
+            if self._wants(split) or self.counting:
+                chunks = packer.end()
+                if self._wants(split):
+                    self._put(split, chunks)
         self.out.commit()
+        if self.counting:
+            p = self.packers
+            return [p["train"].done, p["val"].done, p["train"].truncated + p["val"].truncated]
         return self.tokens
 
 
@@ -198,7 +216,7 @@ def _count_pieces(pieces: list[_Piece], spec: JsonlSpec, progress: CountProgress
         for i, piece in enumerate(pieces):
             missing[i] = cache.missing_windows(list(piece.paths), piece.key(spec), spec)
             if not missing[i]:
-                sums[i] = cache.held_tokens(piece.paths, piece.sums_key(spec), piece.sums)
+                sums[i] = cache.held_tokens(piece.paths, piece.sums_key(spec), piece.sums(spec))
     todo = [i for i, held in enumerate(sums) if held is None]
     todo_bytes = (sum(_size(p) for i in todo for p in pieces[i].paths)
                   if todo and spec.tokenize_processes == "auto" else 0)
@@ -251,19 +269,37 @@ def _size(path: str) -> int:
         return 0
 
 
+@dataclass(frozen=True)
+class Counted:
+    """What the count pass found: windows per split, and (``data.packing: documents``)
+    the documents longer than a window, truncated to it."""
+
+    train: int
+    val: int
+    truncated: int = 0
+
+
 def count_windows(spec: JsonlSpec) -> tuple[int, int]:
-    """(train, val) windows over all files; DataError when there is no training window.
-    A pass of more than a few seconds reports its progress on stderr."""
+    """(train, val) windows over all files (`count_packed`)."""
+    counted = count_packed(spec)
+    return counted.train, counted.val
+
+
+def count_packed(spec: JsonlSpec) -> Counted:
+    """Windows over all files, and documents truncated; DataError when there is no
+    training window. A pass of more than a few seconds reports its progress on stderr."""
     progress = CountProgress("data.path")
     pieces = [_Piece(i, (path,)) for i, path in enumerate(jsonl.jsonl_files(spec))]
     sums = _count_pieces(pieces, spec, progress)
-    train = sum(t // spec.seq_len for t, _ in sums)
-    val = sum(v // spec.seq_len for _, v in sums)
+    if spec.packing == "documents":
+        train, val, truncated = (sum(s[k] for s in sums) for k in range(3))
+    else:
+        train, val, truncated = sum(s[0] // spec.seq_len for s in sums), sum(s[1] // spec.seq_len for s in sums), 0
     if train == 0:
         raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = "
                         f"{spec.seq_len - 1} tokens (+1) (too little data, or lower data.seq_len)")
     progress.done(train, val)
-    return train, val
+    return Counted(train, val, truncated)
 
 
 def count_text_windows(groups: list[tuple[str, ...]], spec: JsonlSpec) -> tuple[int, int]:

@@ -167,6 +167,7 @@ class SourceSpec:
     messages_field: str = "messages"
     window_cache: bool = True  # tokenized: keep packed windows in the token cache
     tokenize_processes: int | str = "auto"  # tokenized: the driver's count pass's
+    packing: str = "concat"  # jsonl: documents | concat (`packing.py`)
 
     @classmethod
     def from_config(cls, cfg: "JobConfig") -> "SourceSpec":
@@ -183,7 +184,8 @@ class SourceSpec:
                    max_read_rows_per_s=d.max_read_rows_per_s, tokenizer=d.tokenizer_for(m),
                    format=d.format, text_field=d.text_field, prompt_field=d.prompt_field,
                    completion_field=d.completion_field, messages_field=d.messages_field,
-                   window_cache=d.window_cache, tokenize_processes=d.tokenize_processes)
+                   window_cache=d.window_cache, tokenize_processes=d.tokenize_processes,
+                   packing=d.resolved_packing)
 
     @property
     def tokenized(self) -> bool:
@@ -200,7 +202,8 @@ class SourceSpec:
                          seq_len=self.seq_len, val_fraction=self.val_fraction,
                          text_field=self.text_field, prompt_field=self.prompt_field,
                          completion_field=self.completion_field, messages_field=self.messages_field,
-                         window_cache=self.window_cache, tokenize_processes=self.tokenize_processes)
+                         window_cache=self.window_cache, tokenize_processes=self.tokenize_processes,
+                         packing=self.packing if self.kind == "jsonl" else "concat")
 
     def throttle(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Sleep as long as reading these rows takes at ``max_read_rows_per_s`` (no-op
@@ -219,6 +222,7 @@ class DataInfo:
     num_features: int = 0  # tabular
     num_classes: int = 0  # classification
     feature_columns: tuple[str, ...] = ()
+    truncated: int = 0  # data.packing documents: documents longer than a window, cut to it
 
 
 # ---------------------------------------------------------------- text
@@ -353,9 +357,9 @@ def _count_tokenized(spec: SourceSpec) -> DataInfo:
     from raytrain_platform.data import pieces
 
     if spec.kind == "jsonl":
-        train, val = pieces.count_windows(spec.token_spec())
-    else:
-        train, val = pieces.count_text_windows(token_pieces(spec), spec.token_spec())
+        counted = pieces.count_packed(spec.token_spec())
+        return DataInfo(num_train=counted.train, num_val=counted.val, truncated=counted.truncated)
+    train, val = pieces.count_text_windows(token_pieces(spec), spec.token_spec())
     return DataInfo(num_train=train, num_val=val)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from raytrain_platform.data import window_cache
 from raytrain_platform.data.encode import _folder_state
+from raytrain_platform.data.packing import window_arrays
 from raytrain_platform.data.sources import split_mask
 from raytrain_platform.errors import DataError
 from raytrain_platform.units import parse_size
@@ -90,10 +91,10 @@ def _version(package: str) -> str | None:
 @functools.lru_cache(maxsize=1)
 def _code_fingerprint() -> str:
     """The code of how records become tokens, splits and kept windows: jsonl.py,
-    text_groups.py, pieces.py, encode.py, this module, sources.py and window_cache.py."""
-    from raytrain_platform.data import encode, jsonl, pieces, sources, text_groups
+    text_groups.py, pieces.py, encode.py, this module, sources.py, window_cache.py and packing.py."""
+    from raytrain_platform.data import encode, jsonl, packing, pieces, sources, text_groups
 
-    modules = (jsonl, text_groups, pieces, encode, sys.modules[__name__], sources, window_cache)
+    modules = (jsonl, text_groups, pieces, encode, sys.modules[__name__], sources, window_cache, packing)
     return hashlib.sha256(b"".join(Path(str(m.__file__)).read_bytes() for m in modules)).hexdigest()
 
 
@@ -103,6 +104,12 @@ def _shared_key(tokenizer: str, state: tuple) -> dict:
     `state` (`_folder_state`) keys the memo: a changed tokenizer file is hashed again."""
     return {"tokenizer": _tokenizer_fingerprint(tokenizer), "code": _code_fingerprint(),
             "libraries": [_version(p) for p in ("transformers", "tokenizers", "jinja2")]}
+
+
+def _arrays(key: dict) -> tuple[str, ...]:
+    """The arrays a windows entry of this key holds (`jsonl._file_key` names a packing
+    other than concat)."""
+    return window_arrays(key.get("packing", "concat"))
 
 
 @dataclass(frozen=True)
@@ -210,7 +217,7 @@ class _TokenCache:
         entry = self._windows_entry(paths, key, split, seq_len)
         if entry is None:
             return None
-        held = window_cache.read(entry[0], entry[1], seq_len)
+        held = window_cache.read(entry[0], entry[1], seq_len, _arrays(key))
         if held is not None:
             self.used.add(entry[0])
         return held
@@ -223,7 +230,7 @@ class _TokenCache:
         if entry is None:
             return None
         try:
-            writer = window_cache.Writer(entry[0], entry[1], seq_len)
+            writer = window_cache.Writer(entry[0], entry[1], seq_len, _arrays(key))
         except OSError:  # BlockingIOError included
             return None
         self.used.add(entry[0])

@@ -3,7 +3,8 @@ tokenized and packed once, and later reads of the same piece and split memory-ma
 windows instead of tokenizing them again.
 
 An entry is a folder holding one raw file per array (``tokens`` int32 and ``loss_mask``
-uint8, ``(rows, seq_len)``; ``sample_id`` int64, ``(rows,)``) and ``meta.json``, its
+uint8, ``(rows, seq_len)``; ``sample_id`` int64, ``(rows,)``; ``position_ids`` int32
+for ``data.packing: documents``, `ARRAYS` plus it) and ``meta.json``, its
 key and row count. It is written under a temporary name, synced, and renamed into place
 when complete, so a reader sees a whole entry or none; a writer stopped early (a run
 that ends mid-epoch, a bad record, a full disk) removes what it wrote, and the folder
@@ -41,12 +42,14 @@ from typing import IO, Callable, Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["FORMAT", "DTYPES", "Held", "read", "Writer", "tee", "slices", "Entry", "entries", "entries_text",
+__all__ = ["FORMAT", "DTYPES", "ARRAYS", "Held", "read", "Writer", "tee", "slices", "Entry", "entries", "entries_text",
            "remove", "prune", "Pruned"]
 
 FORMAT = 1  # part of every key: a change of layout never reads an old entry
 DTYPES: dict[str, np.dtype] = {"tokens": np.dtype(np.int32), "loss_mask": np.dtype(np.uint8),
-                                "sample_id": np.dtype(np.int64)}
+                                "sample_id": np.dtype(np.int64), "position_ids": np.dtype(np.int32)}
+# The arrays an entry holds unless told (`packing.window_arrays`: documents add position_ids).
+ARRAYS = ("tokens", "loss_mask", "sample_id")
 _META = "meta.json"
 _STALE_S = 24 * 3600  # a temporary folder untouched this long was left by a killed writer
 # `prune` leaves an entry used this recently by default: another run may read it again.
@@ -89,7 +92,7 @@ class Held(dict[str, np.ndarray]):
         self.close()
 
 
-def read(folder: Path, key: dict, seq_len: int) -> Held | None:
+def read(folder: Path, key: dict, seq_len: int, arrays: tuple[str, ...] = ARRAYS) -> Held | None:
     """The entry's arrays (memory-mapped, under a shared lock), or None: no entry at
     `folder`, another key, a file missing or of the wrong size, or the entry being
     removed. Marks the entry used."""
@@ -105,8 +108,8 @@ def read(folder: Path, key: dict, seq_len: int) -> Held | None:
         except OSError:  # no locks on this filesystem (ENOLCK): read without one
             lock.close()
             lock = None
-    arrays = _arrays(folder, key, seq_len)
-    if arrays is None:
+    held = _arrays(folder, key, seq_len, arrays)
+    if held is None:
         if lock is not None:
             lock.close()
         return None
@@ -114,10 +117,10 @@ def read(folder: Path, key: dict, seq_len: int) -> Held | None:
         os.utime(folder / _META)  # used now: `prune` evicts the least recently used first
     except OSError:  # a cache on a read-only filesystem
         pass
-    return Held(arrays, lock)
+    return Held(held, lock)
 
 
-def _arrays(folder: Path, key: dict, seq_len: int) -> dict[str, np.ndarray] | None:
+def _arrays(folder: Path, key: dict, seq_len: int, arrays: tuple[str, ...]) -> dict[str, np.ndarray] | None:
     """`read`'s arrays, without the lock."""
     try:
         meta = json.loads((folder / _META).read_text())
@@ -125,7 +128,8 @@ def _arrays(folder: Path, key: dict, seq_len: int) -> dict[str, np.ndarray] | No
         if meta["key"] != key or type(rows) is not int or rows < 0:
             return None
         out: dict[str, np.ndarray] = {}
-        for name, dtype in DTYPES.items():
+        for name in arrays:
+            dtype = DTYPES[name]
             path, shape = folder / f"{name}.bin", _shape(name, rows, seq_len)
             if path.stat().st_size != int(np.prod(shape)) * dtype.itemsize:
                 return None
@@ -172,8 +176,9 @@ class Writer:
     process is writing the same entry. A write that fails (a full disk) drops the
     entry: `add` says so, and nothing is written or committed after it."""
 
-    def __init__(self, folder: Path, key: dict, seq_len: int):
+    def __init__(self, folder: Path, key: dict, seq_len: int, arrays: tuple[str, ...] = ARRAYS):
         self.folder, self.key, self.seq_len, self.rows = folder, key, seq_len, 0
+        self.arrays = arrays
         self.failed = False
         self.tmp = folder.with_name(f"{folder.name}.{uuid.uuid4().hex}.tmp")
         self.files: dict = {}
@@ -183,7 +188,7 @@ class Writer:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: another writer
             _sweep(folder.parent)
             self.tmp.mkdir()
-            self.files = {name: open(self.tmp / f"{name}.bin", "wb") for name in DTYPES}
+            self.files = {name: open(self.tmp / f"{name}.bin", "wb") for name in arrays}
         except BaseException:
             self.abort()
             raise
@@ -194,8 +199,8 @@ class Writer:
             return False
         n = len(chunk["sample_id"])
         try:
-            for name, dtype in DTYPES.items():
-                array = np.ascontiguousarray(chunk[name], dtype=dtype)
+            for name in self.arrays:
+                array = np.ascontiguousarray(chunk[name], dtype=DTYPES[name])
                 if array.shape != _shape(name, n, self.seq_len):
                     raise ValueError(f"{name}: shape {array.shape}, expected {_shape(name, n, self.seq_len)}")
                 self._write(name, array)
@@ -226,7 +231,7 @@ class Writer:
             try:
                 os.rename(self.tmp, self.folder)
             except OSError:  # the folder exists (a non-empty folder is never replaced)
-                if _arrays(self.folder, self.key, self.seq_len) is not None:
+                if _arrays(self.folder, self.key, self.seq_len, self.arrays) is not None:
                     raise
                 shutil.rmtree(self.folder, ignore_errors=True)
                 os.rename(self.tmp, self.folder)

@@ -189,6 +189,12 @@ class ModelFamily:
             raise ConfigError(field_, value, f"1 for model '{self.name}' (tensor/pipeline parallel plans "
                               f"exist for {self._families_with('check_model_parallel')})")
 
+    def takes_position_ids(self, kwargs: dict) -> bool:
+        """Whether its forward takes ``position_ids=`` (B, T) and ``use_cache=False`` and
+        keeps apart the documents whose positions restart (``data.packing: documents``);
+        default no."""
+        return False
+
     def precheck(self, kwargs: dict, *, block_class: str | None, needs_blocks: str | None) -> None:
         """What can be checked before Ray starts (user builders: import, kwargs, type).
         `needs_blocks`: the config field set that works on the model's blocks

@@ -176,6 +176,10 @@ class HFFamily(ModelFamily):
     def _config(self, kwargs: dict) -> dict:
         return read_hf_config(kwargs["path"])
 
+    def takes_position_ids(self, kwargs: dict) -> bool:
+        # transformers' masking_utils turns restarting position ids into a block-causal mask
+        return True
+
     def max_seq_len(self, kwargs: dict) -> int | None:
         return self._config(kwargs).get("max_position_embeddings")
 

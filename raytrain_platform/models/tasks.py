@@ -2,7 +2,9 @@
 
 A batch is a dict of tensors: ``{"tokens": (B, T+1)}`` for language models (bytes, or
 token ids), with an optional ``"loss_mask": (B, T+1)`` (1 where a token is a target the
-loss counts: completion and assistant tokens of instruction data), and
+loss counts: completion and assistant tokens of instruction data) and an optional
+``"position_ids": (B, T+1)`` (``data.packing: documents``: restarting at 0 at each
+document, which the model's forward takes to keep the documents apart), and
 ``{"x": (B, F) float32, "y": (B,)}`` for tabular; both carry ``"sample_id": (B,)``.
 A model's forward output becomes logits through its family (`ModelFamily.logits`):
 a tensor, or a Hugging Face-style output with ``.logits``.
@@ -38,6 +40,16 @@ class Task:
                 targets = targets.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
             return inputs, targets
         return batch["x"], batch["y"]
+
+    def forward_kwargs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """What the model's forward takes besides the inputs: the inputs' position ids
+        where the batch has them (packed documents), else nothing."""
+        positions = batch.get("position_ids")
+        if self.name != "lm" or positions is None:
+            return {}
+        # transformers makes restarting positions a block-causal mask only without a KV
+        # cache, which a model whose config says use_cache would make in its forward.
+        return {"position_ids": positions[:, :-1].long(), "use_cache": False}  # (B, T): the inputs'
 
     def logits(self, outputs: Any) -> torch.Tensor:
         return logits_of(outputs, self.model)

@@ -74,6 +74,16 @@ class UserFamily(ModelFamily):
         return ServingSpec("predict", {"num_features": linears[0].in_features if linears else None,
                                        "num_outputs": linears[-1].out_features if linears else None})
 
+    def takes_position_ids(self, kwargs: dict) -> bool:
+        """Whether the module's forward names ``position_ids`` and ``use_cache`` parameters
+        (a Hugging Face model's does), read off a meta-device build; a builder that fails
+        is `precheck`'s to report."""
+        try:
+            forward = self.build(kwargs, device="meta").forward
+            return {"position_ids", "use_cache"} <= set(inspect.signature(forward).parameters)
+        except Exception:  # the user's code: precheck says what is wrong
+            return False
+
     def _checked(self, model: Any) -> "nn.Module":
         from torch import nn
 
