@@ -260,7 +260,7 @@ def local_ray(num_cpus: int = 2) -> None:
     (the platform's `train` then reuses it: `init_ray` is a no-op when connected)."""
     import ray
 
-    from raytrain_platform.launch.trainer import DRIVER_ENV, JOB_ENV
+    from raytrain_platform.launch.session import DRIVER_ENV, JOB_ENV
 
     for k, v in DRIVER_ENV.items():
         os.environ.setdefault(k, v)

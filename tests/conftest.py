@@ -224,7 +224,7 @@ def ray_cluster():
     """One real local Ray per test module (start-up is the expensive part)."""
     import ray
 
-    from raytrain_platform.launch.trainer import DRIVER_ENV, JOB_ENV
+    from raytrain_platform.launch.session import DRIVER_ENV, JOB_ENV
 
     for key, value in DRIVER_ENV.items():  # the driver's side of it, as `rtp train` sets it
         os.environ.setdefault(key, value)

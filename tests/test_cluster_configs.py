@@ -208,7 +208,7 @@ def test_a_submitted_jobs_own_env_vars_are_left_to_it(monkeypatch):
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
     from ray.runtime_env.runtime_env import _merge_runtime_env
 
-    from raytrain_platform.launch.trainer import JOB_ENV, driver_runtime_env
+    from raytrain_platform.launch.session import JOB_ENV, driver_runtime_env
 
     monkeypatch.setenv("RTP_CACHE_DIR", "/tmp/driver-cache")
     job = {"working_dir": ".", "env_vars": {"RTP_CACHE_DIR": "/mnt/shared/cache", "TOKENIZERS_PARALLELISM": "true"}}

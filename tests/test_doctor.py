@@ -122,12 +122,13 @@ class _RayStarted(Exception):
 @pytest.fixture
 def no_ray(monkeypatch):
     """`init_ray` raises: a check that comes after it fails its test."""
-    from raytrain_platform.launch import trainer
+    from raytrain_platform.launch import session, trainer
 
     def tripwire(*args, **kwargs):
         raise _RayStarted("init_ray was called")
 
-    monkeypatch.setattr(trainer, "init_ray", tripwire)
+    for module in (session, trainer):  # the doctor imports it from session, `train` holds its own name
+        monkeypatch.setattr(module, "init_ray", tripwire)
 
 
 def _doctor_exit_2(argv, capsys, *needles):

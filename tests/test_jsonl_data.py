@@ -989,18 +989,18 @@ def test_the_jobs_processes_get_the_drivers_cache_folder(monkeypatch, tmp_path):
     """RTP_CACHE_DIR goes to the job's Ray processes absolute (they start in another
     folder), empty stays empty (no cache), unset stays unset (their own default); so
     does RTP_CACHE_MAX_SIZE, as it is."""
-    from raytrain_platform.launch.trainer import _cache_env
+    from raytrain_platform.launch.session import cache_env
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("RTP_CACHE_MAX_SIZE", raising=False)
     monkeypatch.setenv("RTP_CACHE_DIR", "relative/cache")
-    assert _cache_env() == {"RTP_CACHE_DIR": str(tmp_path / "relative" / "cache")}
+    assert cache_env() == {"RTP_CACHE_DIR": str(tmp_path / "relative" / "cache")}
     monkeypatch.setenv("RTP_CACHE_DIR", "")
-    assert _cache_env() == {"RTP_CACHE_DIR": ""}
+    assert cache_env() == {"RTP_CACHE_DIR": ""}
     monkeypatch.delenv("RTP_CACHE_DIR")
-    assert _cache_env() == {}
+    assert cache_env() == {}
     monkeypatch.setenv("RTP_CACHE_MAX_SIZE", "2.5GB")
-    assert _cache_env() == {"RTP_CACHE_MAX_SIZE": "2.5GB"}
+    assert cache_env() == {"RTP_CACHE_MAX_SIZE": "2.5GB"}
 
 
 # ---------------------------------------------------------------- tokenizing in batches, on several processes

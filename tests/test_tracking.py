@@ -132,7 +132,7 @@ def test_console_progress_through_a_resume_prints_each_rerun_step(tmp_path):
     drops them), the re-run steps are, once; likewise after a worker restarted mid-run
     rewrites the file and logs past its old length before the next read."""
     from raytrain_platform.core.rundir import MetricsLog
-    from raytrain_platform.launch.trainer import _progress_poller
+    from raytrain_platform.launch.progress import progress_poller
 
     def report(step: int, loss: float) -> dict:
         return {"step": step, "epoch": 0, "loss": loss, "samples_per_s": 1.0, "data_wait_frac": 0.0,
@@ -147,7 +147,7 @@ def test_console_progress_through_a_resume_prints_each_rerun_step(tmp_path):
     for step in range(1, 11):
         first.append(report(step, 9.0))
     lines: list[str] = []
-    poll = _progress_poller(tmp_path, 14, lines.append, resume_step=5)  # the driver, before any worker
+    poll = progress_poller(tmp_path, 14, lines.append, resume_step=5)  # the driver, before any worker
     poll()
     assert shown() == []
     again = MetricsLog(tmp_path, resume_step=5)

@@ -155,7 +155,9 @@ def doctor(config: Any, overrides: list[str] | None = None, *, workers: list[int
     from raytrain_platform.config import load_config
     from raytrain_platform.doctor.measure import check_requested_counts, measure_run, worker_counts
     from raytrain_platform.errors import ConfigError
-    from raytrain_platform.launch.trainer import cluster_hardware, init_ray, prepare
+    from raytrain_platform.launch.resources import cluster_hardware
+    from raytrain_platform.launch.session import init_ray
+    from raytrain_platform.launch.trainer import prepare
     from raytrain_platform.plan.auto import has_auto
 
     for flag, value, low in (("--steps", steps, 2), ("--warmup", warmup, 1)):

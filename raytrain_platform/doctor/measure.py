@@ -41,7 +41,7 @@ def worker_counts(cfg: JobConfig, cluster: dict[str, float], requested: list[int
     against the cluster and the replica size."""
     unit = cfg.parallel.tp_size * cfg.parallel.pp_size
     per_worker = {"GPU": 1.0} if cfg.scaling.use_gpu else {"CPU": cfg.scaling.cpus_per_worker}
-    reserve = {"CPU": 0.5}  # Ray Data's read tasks (see launch.trainer._check_cpu_headroom)
+    reserve = {"CPU": 0.5}  # Ray Data's read tasks (see launch.resources.check_cpu_headroom)
 
     def fits(n: int) -> bool:
         return all(n * need + reserve.get(res, 0.0) <= cluster.get(res, 0.0)
@@ -119,7 +119,8 @@ def measure_run(cfg: JobConfig, *, workers: int, warmup: int, steps: int, out_di
     """Train `cfg` at `workers` workers with profiling; its run directory is
     ``out_dir/w<workers>`` (replaced: a doctor run never resumes)."""
     from raytrain_platform.core.profile import PROFILE_FILE  # torch: imported once the checks have passed
-    from raytrain_platform.launch.trainer import cluster_hardware, prepare, run_job
+    from raytrain_platform.launch.resources import cluster_hardware
+    from raytrain_platform.launch.trainer import prepare, run_job
     from raytrain_platform.plan.auto import has_auto
 
     run_cfg = run_config(cfg, workers=workers, total_steps=warmup + 2 * steps, out_dir=out_dir)

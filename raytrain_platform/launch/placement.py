@@ -10,7 +10,7 @@ how many whole groups each node takes and pins every worker's placement-group bu
 there with the node-id label every Ray node carries (``ScalingConfig.label_selector``
 becomes the placement group's ``bundle_label_selector``).
 
-Pure: no Ray here; launch/trainer.py reads the cluster and passes the numbers in.
+Pure: no Ray here; launch/resources.py reads the cluster and passes the numbers in.
 
 >>> selectors = place_tp_groups({"a": {"CPU": 3.0}, "b": {"CPU": 3.0}}, {"CPU": 1.0},
 ...                             num_workers=4, tp_size=2)

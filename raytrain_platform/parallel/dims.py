@@ -4,7 +4,7 @@ validates with it before anything starts, the data layer deals micro-batches by 
 
 Ranks are laid out ``(pp, dp, tp)`` with tp innermost, as in torchtitan: the ranks of
 one TP group are consecutive, so they share a node whenever a node holds a multiple
-of ``tp_size`` workers (TP needs the fastest links; see launch/trainer.py).
+of ``tp_size`` workers (TP needs the fastest links; see launch/resources.py).
 
 >>> dims = ParallelDims(dp=2, tp=2, pp=1)
 >>> [dims.coords(r) for r in range(4)]  # (pp_rank, dp_rank, tp_rank)

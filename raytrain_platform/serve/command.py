@@ -119,7 +119,7 @@ def _serve_until_stopped(catalog: dict[str, dict], options: ServeOptions, *, hos
     import ray
     from ray import serve
 
-    from raytrain_platform.launch.trainer import init_ray
+    from raytrain_platform.launch.session import init_ray
     from raytrain_platform.serve.builder import NORMAL_PRIORITY_ENV, build_application
 
     init_ray(address, verbose=False, env_vars=NORMAL_PRIORITY_ENV)

@@ -85,7 +85,7 @@ def _ctrl_c_interrupts():
     MLflow parent run KILLED), the sweep left to resume. Tune's own handler instead ends
     its loop and returns, so the sweep would record its cut-off trials as results (ASHA's
     `stopped`) and pick a best among them."""
-    from raytrain_platform.launch.trainer import temporary_env
+    from raytrain_platform.launch.session import temporary_env
 
     with temporary_env("TUNE_DISABLE_SIGINT_HANDLER", "1"):
         yield
@@ -98,7 +98,7 @@ def _quiet_tune(verbose: bool):
     if verbose:
         yield
         return
-    from raytrain_platform.launch.trainer import temporary_env
+    from raytrain_platform.launch.session import temporary_env
 
     tune_logger = logging.getLogger("ray.tune")
     saved_level = tune_logger.level
@@ -264,7 +264,8 @@ def _cluster_hardware(address: str | None, verbose: bool) -> Callable[[JobConfig
     """What a trial's workers will have on the sweep's cluster (`cluster_hardware`, as
     `rtp train` decides `auto`), Ray started at the first trial that asks; one answer
     per scaling, since a GPU's memory is measured by a task on it."""
-    from raytrain_platform.launch.trainer import cluster_hardware, init_ray
+    from raytrain_platform.launch.resources import cluster_hardware
+    from raytrain_platform.launch.session import init_ray
 
     known: dict[tuple, Hardware] = {}
 
@@ -282,7 +283,7 @@ def _cluster_hardware(address: str | None, verbose: bool) -> Callable[[JobConfig
 def _run(trials: list[PlannedTrial], axes: list[Axis], *, emit, sweep_dir: Path, name: str,
          metric: str, mode: str, scheduler: Any, max_concurrent: int | None, base_storage: str,
          address: str | None, verbose: bool, progress: bool, tracking: RunConfig) -> SweepResult:
-    from raytrain_platform.launch.trainer import init_ray
+    from raytrain_platform.launch.session import init_ray
 
     runnable = [t for t in trials if t.error is None]
     if not runnable:
