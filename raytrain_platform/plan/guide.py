@@ -58,21 +58,21 @@ class Plan:
         return next(o for o in self.options if o.strategy == strategy)
 
 
-def _need(o: Option) -> str:
-    if o.estimate is None or o.layout is None:
-        return f"n/a ({o.note})" if o.note else "n/a"
-    return f"{format_size(o.estimate.total)} at micro-batch {o.layout.micro_batch}"
+def _need(option: Option) -> str:
+    if option.estimate is None or option.layout is None:
+        return f"n/a ({option.note})" if option.note else "n/a"
+    return f"{format_size(option.estimate.total)} at micro-batch {option.layout.micro_batch}"
 
 
-def _batch_words(o: Option) -> str:
-    lay = o.fitted_layout
+def _batch_words(option: Option) -> str:
+    lay = option.fitted_layout
     if lay.micro_batches == 1:
         return f"batch {lay.micro_batch} per replica"
     return f"micro-batch {lay.micro_batch} x {lay.micro_batches} accumulation steps per replica"
 
 
-def _fits_one_device(req: PlanRequest, o: dict[str, Option]) -> tuple[Option, list[str]]:
-    none, accum, ddp = o["none"], o["accum"], o["ddp"]
+def _fits_one_device(req: PlanRequest, by_name: dict[str, Option]) -> tuple[Option, list[str]]:
+    none, accum, ddp = by_name["none"], by_name["accum"], by_name["ddp"]
     budget = format_size(req.budget)
     if none.fits:
         head = f"fits one device at the full batch of {req.global_batch} ({_need(none)} of {budget})"
@@ -89,7 +89,7 @@ def _fits_one_device(req: PlanRequest, o: dict[str, Option]) -> tuple[Option, li
         return accum, [head + f"; table row 'big batch does not fit': gradient accumulation, "
                        f"{_batch_words(accum)}"]
     if not ddp.fits:  # the replica fits, but not with DDP's gradient buckets beside it
-        fallback = o["fsdp"] if o["fsdp"].fits else accum
+        fallback = by_name["fsdp"] if by_name["fsdp"].fits else accum
         return fallback, [head + f"; DDP does not fit either ({_need(ddp)}: its gradient buckets "
                           f"copy the gradients), so {LABELS[fallback.strategy]}, "
                           f"{_batch_words(fallback)}"]
@@ -98,12 +98,12 @@ def _fits_one_device(req: PlanRequest, o: dict[str, Option]) -> tuple[Option, li
                     if ddp.grad_accum_steps > 1 else "")]
 
 
-def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, list[str]]:
-    accum = o["accum"]
+def _too_big(req: PlanRequest, by_name: dict[str, Option]) -> tuple[Option | None, list[str]]:
+    accum = by_name["accum"]
     assert accum.estimate is not None, "options() always estimates accum"
     head = f"does not fit one device even at micro-batch 1 ({format_size(accum.estimate.total)} > {format_size(req.budget)})"
     where = " within each node, replicated across nodes" if req.nodes > 1 else ""
-    fsdp, tp_fsdp, pp_dp = o["fsdp"], o["tp_fsdp"], o["pp_dp"]
+    fsdp, tp_fsdp, pp_dp = by_name["fsdp"], by_name["tp_fsdp"], by_name["pp_dp"]
     if fsdp.fits:
         return fsdp, [head + f"; FSDP shards parameters, gradients and optimizer state over "
                       f"{fsdp.fitted_layout.shard} devices{where}: {_batch_words(fsdp)}"]
@@ -114,7 +114,7 @@ def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, lis
                          f"table row '8 GPUs, big model': tensor parallelism of degree {lay.tp} within "
                          f"a node (its per-layer collectives need the fast intra-node links) x FSDP "
                          f"over {lay.shard}{where}: {_batch_words(tp_fsdp)}"]
-    for pipe in (pp_dp, o["pp"], o["tp_pp"]):  # pipelines across nodes, then 3-D
+    for pipe in (pp_dp, by_name["pp"], by_name["tp_pp"]):  # pipelines across nodes, then 3-D
         if pipe.fits:
             lay = pipe.fitted_layout
             across = "across nodes" if req.nodes > 1 else "within the node"
@@ -128,7 +128,7 @@ def _too_big(req: PlanRequest, o: dict[str, Option]) -> tuple[Option | None, lis
             sharded = f" (FSDP over {lay.shard})" if lay.shard > 1 else ""
             return pipe, [head + "; " + why, f"{how} x {lay.dp} data-parallel replica(s){sharded}: "
                           f"{lay.micro_batches} micro-batches of {lay.micro_batch} per step"]
-    estimated = [(x.estimate.total, x) for x in o.values() if x.estimate]
+    estimated = [(x.estimate.total, x) for x in by_name.values() if x.estimate]
     smallest = min(estimated, key=lambda te: te[0])[1]
     return None, [head + f"; no strategy fits: the smallest is {LABELS[smallest.strategy]} at "
                   f"{_need(smallest)}, budget {format_size(req.budget)}",
