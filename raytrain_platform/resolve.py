@@ -157,8 +157,8 @@ def _resolve_packing(cfg: JobConfig, family: ModelFamily) -> JobConfig:
         if cfg.parallel.pp_size > 1:
             why = "parallel.pp_size > 1 (the pipeline's stages pass no position ids)"
         elif not family.takes_position_ids(cfg.model.kwargs):
-            why = (f"model '{cfg.model.name}' (its forward takes no position_ids, which keep packed "
-                   "documents apart)")
+            why = (f"model '{cfg.model.name}' (its forward is not shown to keep packed documents apart "
+                   "by their position ids)")
         if why is not None and cfg.data.packing is not None:
             raise ConfigError("data.packing", "documents", f"concat for {why}")
         packing = "concat" if why is not None else packing

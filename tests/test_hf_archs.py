@@ -138,7 +138,7 @@ def test_fsdp_sharded_parameters_load_through_their_slices(archs):
     assert all(r == {"dtensors": True, "max_abs_diff": 0.0} for r in out.values()), out
 
 
-@pytest.mark.parametrize("arch", ["gpt_neox", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("arch", ARCHS)
 @torch.no_grad()
 def test_export_writes_the_checkpoints_layout_and_loads_with_our_logits(archs, arch, tmp_path):
     """`rtp export --format hf`'s writer (the family's export_hf) on weights changed

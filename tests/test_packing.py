@@ -19,7 +19,8 @@ import torch  # noqa: E402
 pytest.importorskip("transformers")
 
 from conftest import LM_TRAIN, assert_losses_close, job_config, torchrun_metrics  # noqa: E402
-from hf_archs import make_arch  # noqa: E402
+from hf_archs import ARCHS, make_arch  # noqa: E402
+from raytrain_platform.models.hf import PACKED_DOCUMENT_TYPES  # noqa: E402
 import yaml  # noqa: E402
 
 from raytrain_platform.cli import main as cli_main  # noqa: E402
@@ -156,7 +157,7 @@ def test_the_default_packing_and_its_refusals(tiny, tmp_path, monkeypatch, capsy
     hf = {"name": "hf", "kwargs": {"path": str(make_arch(tmp_path / "llama", "llama", tiny["tokenizer"]))}}
     refusals = [
         (_config(tmp_path, tiny, GPT, packing="documents"), "data.packing = 'documents': expected concat for "
-         "model 'gpt' (its forward takes no position_ids"),
+         "model 'gpt' (its forward is not shown to keep packed documents apart"),
         (_config(tmp_path, tiny, LLAMA, packing="whole"), "data.packing = 'whole': expected documents, concat"),
         ({**_config(tmp_path, tiny, hf, packing="documents"), "parallel": {"strategy": "ddp", "pp_size": 2},
           "scaling": {"num_workers": 2}}, "data.packing = 'documents': expected concat for parallel.pp_size > 1"),
@@ -208,14 +209,15 @@ def packed_windows(tiny: dict) -> dict[str, np.ndarray]:
     return window
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
+@pytest.mark.parametrize("arch", PACKED_DOCUMENT_TYPES)
 def test_a_packed_window_has_the_loss_of_its_documents_alone(tiny, tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     model_dir = make_arch(tmp_path / arch, arch, tiny["tokenizer"])
     window = packed_windows(tiny)
-    reference = _reference_loss(AutoModelForCausalLM.from_pretrained(model_dir).eval(), window)
-    for attn in ("sdpa", "eager"):
+    reference_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    reference = _reference_loss(reference_model, window)
+    for attn in dict.fromkeys((reference_model.config._attn_implementation, "eager")):  # the default (sdpa) and eager
         model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn).eval()
         with torch.no_grad():
             loss = _platform_loss(model, window)
@@ -228,6 +230,19 @@ def test_a_packed_window_has_the_loss_of_its_documents_alone(tiny, tmp_path, arc
                 {"position_ids": torch.from_numpy(window["position_ids"])})).logits
             mixed = model(tokens).logits
         assert (apart - mixed).abs().max() > 1e-2
+
+
+def test_an_architecture_not_shown_to_keep_documents_apart_gets_concat(tiny, tmp_path):
+    """OPT's forward builds its mask without the position ids: its packed documents would
+    attend to each other. Unset, it gets concat; asked for, documents is one line."""
+    assert set(ARCHS) - set(PACKED_DOCUMENT_TYPES) == {"opt"}
+    opt = make_arch(tmp_path / "opt", "opt", tiny["tokenizer"])
+    opt = {"name": "hf", "kwargs": {"path": str(opt)}}
+    assert resolve_job(load_config(_config(tmp_path, tiny, opt))).config.data.packing == "concat"
+    with pytest.raises(ConfigError) as exc:
+        resolve_job(load_config(_config(tmp_path, tiny, opt, packing="documents")))
+    assert str(exc.value).startswith("data.packing = 'documents': expected concat for model 'hf' (its forward is "
+                                     "not shown to keep packed documents apart")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

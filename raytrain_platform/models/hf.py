@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
     from raytrain_platform.models.shapes import ModelShape
 
-__all__ = ["HFFamily"]
+__all__ = ["HFFamily", "PACKED_DOCUMENT_TYPES"]
 
 _KEYS = {"path": None, "init": "pretrained", "dtype": "float32", "attn_implementation": None}
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -70,6 +70,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # eager where the architecture has no sdpa path: Gemma 2).
 _ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2")
 _FLASH = "flash_attention_2"
+# Shown (tests/test_packing.py): a packed window's loss is each document's alone.
+PACKED_DOCUMENT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text",
+                         "phi3", "olmo2", "gpt_neox", "gpt2")
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
@@ -177,8 +180,10 @@ class HFFamily(ModelFamily):
         return read_hf_config(kwargs["path"])
 
     def takes_position_ids(self, kwargs: dict) -> bool:
-        # transformers' masking_utils turns restarting position ids into a block-causal mask
-        return True
+        # transformers' masking_utils turns restarting position ids into a block-causal mask,
+        # where the architecture's forward hands them to it (OPT's does not: its documents
+        # would attend to each other); shown per type by tests/test_packing.py
+        return self._config(kwargs).get("model_type") in PACKED_DOCUMENT_TYPES
 
     def max_seq_len(self, kwargs: dict) -> int | None:
         return self._config(kwargs).get("max_position_embeddings")
