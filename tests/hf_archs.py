@@ -5,7 +5,8 @@ all sharing one tokenizer (tools/tiny_llm's byte-level BPE with a chat template)
     from hf_archs import ARCHS, make_arch
     model_dir = make_arch(tmp_path / "gemma2", "gemma2", tokenizer_dir)
 
-Sizes are the smallest that keep each architecture's structure: 2 layers (Gemma 2/3
+No dropout (GPT-2 and OPT default to 0.1): layouts draw their masks differently, and the
+equality tests compare layouts. Sizes are the smallest that keep each architecture's structure: 2 layers (Gemma 2/3
 alternate sliding and global attention over them), 4 query heads over 2 key/value heads
 where the architecture has grouped-query attention (so TP of 2 splits whole heads), 4
 experts choosing 2 for the mixtures of experts.
@@ -28,12 +29,12 @@ _SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": HIDDEN // HEADS}),
     "mistral": ("MistralConfig", {}),
     "gpt2": ("GPT2Config", {"n_embd": HIDDEN, "n_layer": LAYERS, "n_head": HEADS, "n_inner": FFN,
-                            "n_positions": POSITIONS}),
+                            "n_positions": POSITIONS, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
     "gpt_neox": ("GPTNeoXConfig", {"tie_word_embeddings": False}),
     "phi3": ("Phi3Config", {}),
     "gemma2": ("Gemma2Config", {"head_dim": HIDDEN // HEADS, "sliding_window": 8}),
     "gemma3_text": ("Gemma3TextConfig", {"head_dim": HIDDEN // HEADS, "sliding_window": 8}),
-    "opt": ("OPTConfig", {"ffn_dim": FFN, "word_embed_proj_dim": HIDDEN}),
+    "opt": ("OPTConfig", {"ffn_dim": FFN, "word_embed_proj_dim": HIDDEN, "dropout": 0.0}),
     "olmo2": ("Olmo2Config", {}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": HIDDEN // HEADS, "moe_intermediate_size": 32, "num_experts": 4,
                                      "num_experts_per_tok": 2, "decoder_sparse_step": 1}),
