@@ -52,7 +52,8 @@ class ModelConfig:
     """The model's sizes. `gpt`: `n_layer` 2, `n_head` 4, `n_embd` 128, `block_size` 64 (context length),
     `dropout` 0.0, `bias` true, `init_std` 0.02 (byte-level vocabulary of 256). `mlp`: `hidden_sizes` [64,
     64], `dropout` 0.0, `input_dim`/`num_outputs` (default: from the data), `task` classification or
-    regression. `hf`: see [hf.md](hf.md). User models: passed as keyword arguments."""
+    regression. `hf`: `path`, `init` (pretrained), `dtype` (float32), `attn_implementation` (null: transformers'
+    pick for the architecture); see [hf.md](hf.md). User models: passed as keyword arguments."""
     task: Union[str, None] = None  # classification | regression | lm; built-ins know theirs
     """`classification`, `regression` or `lm`; needed only for user models (default classification); the
     built-in families know theirs."""
@@ -60,8 +61,10 @@ class ModelConfig:
     """The class name of the model's repeated blocks, which FSDP shards one by one and activation checkpointing
     wraps (default: the children of its largest `nn.ModuleList` of one class)."""
     lora: Union[dict, None] = None
-    """LoRA adapters `{r, alpha, dropout, target_modules}` (defaults 8, 16, 0.0, `[q_proj, v_proj]`): the base
-    is frozen and only the adapters train; see [hf.md](hf.md#lora-fine-tuning-modellora)."""
+    """LoRA adapters `{r, alpha, dropout, target_modules}` (defaults 8, 16, 0.0, `all-linear`: peft's rule,
+    every `nn.Linear` and `Conv1D` but the output head, resolved to module names before Ray; a mixture of
+    experts' fused experts are not adapted): the base is frozen and only the adapters train; see
+    [hf.md](hf.md#lora-fine-tuning-modellora)."""
 
     def __post_init__(self) -> None:
         family = get_family(self.name)
@@ -175,8 +178,9 @@ class DataConfig:
     that transformers turns into a block-causal mask); the rest of a window is padding (loss mask 0); a
     document longer than a window is truncated, and `rtp validate` says how many. `concat`: one stream cut
     into windows (a document may span two and attends to those before it). Default: `documents` for
-    `prompt_completion` and `chat` where the model takes position ids (`hf`), else `concat`. Not with
-    `parallel.pp_size > 1`. See [data.md](data.md#jsonl-and-tokenized-text)."""
+    `prompt_completion` and `chat` where the model is shown to keep packed documents apart (`hf` architectures
+    but OPT; user models whose forward takes `position_ids`), else `concat`. Not with `parallel.pp_size > 1`.
+    See [data.md](data.md#packing-documents-or-one-stream)."""
 
     _ALLOWED: ClassVar[dict[str, str]] = {
         "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)",
@@ -385,14 +389,16 @@ class ParallelConfig:
     wrap it; any model with repeated blocks, on every layout. The first step compiles; a CPU worker needs a
     C++ compiler (`$CXX`, else `g++`), a GPU worker Triton. See
     [parallelism.md](parallelism.md#compiled-blocks-parallelcompile)."""
-    # Model parallelism (gpt; parallel/dims.py): data-parallel size = num_workers / (tp x pp).
+    # Model parallelism (gpt, hf; parallel/dims.py): data-parallel size = num_workers / (tp x pp).
     tp_size: int = 1  # tensor-parallel ranks per model replica (heads split across them)
-    """`gpt`, or `hf` Llama-style decoders (llama, mistral, qwen2, qwen3): tensor-parallel ranks per model
-    replica (must divide the heads, and the kv heads). The data-parallel size is `scaling.num_workers /
-    (tp_size x pp_size)`; `strategy` is the data-parallel layer over it (`fsdp` for TP x FSDP)."""
+    """`gpt`, or an `hf` architecture whose transformers config has a `base_model_tp_plan` (not gpt2, opt):
+    tensor-parallel ranks per model replica (must divide the heads, and the kv heads). The data-parallel size
+    is `scaling.num_workers / (tp_size x pp_size)`; `strategy` is the data-parallel layer over it (`fsdp` for
+    TP x FSDP)."""
     pp_size: int = 1  # pipeline-parallel ranks (stages) per model replica
-    """`gpt`, or `hf` Llama-style decoders (llama, mistral, qwen2, qwen3), tied embeddings included: pipeline
-    stages (ranks) per model replica; `strategy: ddp` or `fsdp` on top gives PP x DP; with `tp_size` > 1
+    """`gpt`, or an `hf` architecture with a `base_model_pp_plan` whose stages are shown to give transformers'
+    logits (`PIPELINE_TYPES` in models/hf_pipeline.py), tied embeddings included: pipeline stages (ranks) per
+    model replica; `strategy: ddp` or `fsdp` on top gives PP x DP; with `tp_size` > 1
     too, each stage is tensor parallel (TP x PP, and `fsdp` on top for 3-D)."""
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     """`gpipe`, `1f1b`, `interleaved_1f1b` (2 stages per rank)."""
