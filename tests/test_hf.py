@@ -546,7 +546,9 @@ def test_compiled_checkpointing_with_dropout_in_the_layers_is_one_line_and_exit_
 
 def chat_config(root: Path, name: str, tiny: dict, **sections) -> dict:
     cfg = hf_config(root, name, tiny["model"], **sections)
-    cfg["data"] = {**cfg["data"], "source": "jsonl", "path": str(tiny["chat"]), "format": "chat"}
+    # one stream of windows: at seq_len 32 every window holds assistant tokens (whole chat
+    # documents are longer than a window, and a truncated one keeps its prompt only)
+    cfg["data"] = {**cfg["data"], "source": "jsonl", "path": str(tiny["chat"]), "format": "chat", "packing": "concat"}
     cfg["data"].pop("num_samples", None)
     return cfg
 
