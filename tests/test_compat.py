@@ -1,4 +1,4 @@
-"""The private torch and Ray APIs the package uses live in raytrain_platform/compat/,
+"""The private torch, Ray, transformers and peft APIs the package uses live in raytrain_platform/compat/,
 each named with why; every one of them resolves in the installed versions (an upgrade
 that removes or moves one fails here, by name), and nothing else in the package or the
 benchmarks reaches a private torch or Ray name. Pure AST for the second part."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_platform.compat import ray_private, torch_private
+from raytrain_platform.compat import hf_private, ray_private, torch_private
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,6 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("entry", sorted(torch_private.USED))
 def test_every_private_torch_api_used_resolves(entry):
     assert torch_private.resolve(entry) is not None
+
+
+@pytest.mark.parametrize("entry", sorted(hf_private.USED))
+def test_every_private_transformers_or_peft_api_used_resolves(entry):
+    assert hf_private.resolve(entry) is not None
 
 
 @pytest.mark.parametrize("entry", sorted(ray_private.USED))
@@ -32,7 +37,7 @@ def test_the_job_config_variable_is_rays_own():
 
 def _private(dotted: str) -> bool:
     parts = dotted.split(".")
-    return parts[0] in ("torch", "ray") and any(p.startswith("_") and not p.startswith("__") for p in parts)
+    return parts[0] in ("torch", "ray", "transformers", "peft") and any(p.startswith("_") and not p.startswith("__") for p in parts)
 
 
 def _dotted(node: ast.AST) -> str | None:

@@ -124,3 +124,22 @@ def test_the_router_loss_weighs_in_as_transformers_own_loss_counts_it(tmp_path, 
     ref(tokens[:, :-1], labels=targets, shift_labels=targets).loss.backward()
     router = [n for n in ours if n.endswith("mlp.gate.weight")]
     assert router and any(not torch.allclose(ours[n], theirs[n].grad, rtol=1e-4, atol=1e-6) for n in router)
+
+
+def test_pipeline_stages_refuse_a_router_loss_and_flash_attention_packs_no_documents(tmp_path, tokenizer_dir):
+    """A pipeline stage passes hidden states or logits on, not the router's loss: with
+    output_router_logits, pp_size > 1 is one line. Flash attention builds no block-causal
+    mask from position ids: documents packing is not offered with it."""
+    from raytrain_platform.errors import ConfigError
+    from raytrain_platform.models import get_family
+
+    fam = get_family("hf")
+    with_loss = fam.resolve_kwargs({"path": str(make_arch(tmp_path / "m", "qwen3_moe", tokenizer_dir,
+                                                           output_router_logits=True))})
+    with pytest.raises(ConfigError, match=r"^parallel.pp_size = 2: expected 1 for model_type 'qwen3_moe' with "
+                                          r"output_router_logits \(the router's load-balancing loss"):
+        fam.check_model_parallel(with_loss, tp=1, pp=2, stages=2, pp_split=None)
+    without = fam.resolve_kwargs({"path": str(make_arch(tmp_path / "n", "qwen3_moe", tokenizer_dir))})
+    fam.check_model_parallel(without, tp=1, pp=2, stages=2, pp_split=None)  # no router loss: stages run
+    assert fam.takes_position_ids(without)
+    assert not fam.takes_position_ids({**without, "attn_implementation": "flash_attention_2"})

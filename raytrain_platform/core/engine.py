@@ -415,7 +415,7 @@ class Engine:
         }
         if self.task.name == "lm":
             metrics["tokens_per_s"] = window["units"] / copies / elapsed
-        if self.aux_coef:  # the mean over the window's micro-batches and ranks (TP/PP copies alike)
+        if self.aux_coef:  # the mean over the window's micro-batches and ranks (TP copies alike)
             total = all_reduce_sum(torch.stack([self._aux_sum, torch.tensor(float(self._aux_count),
                                                                             device=self.env.device)]))
             metrics["aux_loss"] = float(total[0]) / max(float(total[1]), 1.0)

@@ -13,7 +13,8 @@ them); the rest of a window is padding (the tokenizer's pad id, or EOS), loss ma
 Each window carries ``position_ids`` (int32, like ``tokens``): each document's
 positions start at 0, and the padding's too. transformers turns position ids that
 restart into a block-causal mask (masking_utils ``find_packed_sequence_indices``), so
-a document attends only to itself; flash attention's varlen path reads the same ids.
+a document attends only to itself (sdpa and eager: tests/test_packing.py; not flash, whose
+varlen path reads them for a batch of one row only: models/hf.py `takes_position_ids`).
 A document's first token is never a target (its loss mask is 0 there): alone, it has
 no token before it to be predicted from.
 

@@ -45,6 +45,7 @@ raytrain_platform.errors.ConfigError: model.kwargs.path = '/no/such/dir': expect
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import shutil
@@ -182,8 +183,11 @@ class HFFamily(ModelFamily):
     def takes_position_ids(self, kwargs: dict) -> bool:
         # transformers' masking_utils turns restarting position ids into a block-causal mask,
         # where the architecture's forward hands them to it (OPT's does not: its documents
-        # would attend to each other); shown per type by tests/test_packing.py
-        return self._config(kwargs).get("model_type") in PACKED_DOCUMENT_TYPES
+        # would attend to each other); shown per type by tests/test_packing.py. Flash
+        # attention builds no such mask: its varlen path reads the ids of a batch of one row
+        # only (transformers 5.25), not shown here: concat.
+        return (self._config(kwargs).get("model_type") in PACKED_DOCUMENT_TYPES
+                and kwargs.get("attn_implementation") != _FLASH)
 
     def max_seq_len(self, kwargs: dict) -> int | None:
         return self._config(kwargs).get("max_position_embeddings")
@@ -210,20 +214,14 @@ class HFFamily(ModelFamily):
                               "when scaling.use_gpu is false (flash attention runs on CUDA GPUs only)")
 
     def auto_config(self, kwargs: dict) -> Any:
-        """transformers' config object; unknown or non-causal architectures refused."""
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
+        """transformers' config object (a copy: the caller may change it); unknown or
+        non-causal architectures refused. Read once per version of ``config.json``."""
         path = kwargs["path"]
         try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        except Exception as exc:  # transformers raises ValueError/OSError/KeyError for unknown types
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            raise ConfigError("model.kwargs.path", path, f"a config transformers can read ({first})") from None
-        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            raise ConfigError("model.kwargs.path", path, f"a causal language model architecture (model_type "
-                              f"{config.model_type!r} has no AutoModelForCausalLM class)")
-        return config
+            stat = (Path(path) / "config.json").stat()
+        except OSError:
+            stat = None
+        return copy.deepcopy(_auto_config(path, None if stat is None else (stat.st_mtime_ns, stat.st_size)))
 
     def aux_loss_coef(self, kwargs: dict) -> float:
         """``router_aux_loss_coef`` when the config asks the forward for its router's
@@ -231,7 +229,11 @@ class HFFamily(ModelFamily):
         config = self.auto_config(kwargs)
         if not getattr(config, "output_router_logits", False):
             return 0.0
-        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+        coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+            raise ConfigError("model.kwargs.path", kwargs["path"], f"a config.json whose router_aux_loss_coef is a "
+                              f"number >= 0 (it is {coef!r})")
+        return float(coef)
 
     # ---- the module --------------------------------------------------------------------------
     def build(self, kwargs: dict, *, device: "str | torch.device | None" = None) -> "nn.Module":
@@ -296,6 +298,10 @@ class HFFamily(ModelFamily):
             raise ConfigError("parallel.tp_size", tp, f"1 for model_type {model_type!r} (its base_model_tp_plan "
                               f"uses styles {bad}; the styles run here are {sorted(UPSTREAM_STYLES)})")
         if pp > 1:
+            if self.aux_loss_coef(kwargs):  # a stage's output is its hidden states or logits
+                raise ConfigError("parallel.pp_size", pp, f"1 for model_type {model_type!r} with "
+                                  "output_router_logits (the router's load-balancing loss is not carried "
+                                  "across pipeline stages; set output_router_logits false in config.json)")
             if model_type not in PIPELINE_TYPES:
                 raise ConfigError("parallel.pp_size", pp, f"1 for model_type {model_type!r} (pipeline stages are "
                                   f"shown to give transformers' logits for {list(PIPELINE_TYPES)})")
@@ -385,6 +391,23 @@ def _check_attention(value: Any) -> None:
                               "flash_attn package is not installed (pip install flash-attn), or sdpa")
 
 
+@functools.lru_cache(maxsize=8)
+def _auto_config(path: str, version: tuple[int, int] | None) -> Any:
+    """`HFFamily.auto_config`'s read; `version` (config.json's time and size) keys the cache."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # transformers raises ValueError/OSError/KeyError for unknown types
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ConfigError("model.kwargs.path", path, f"a config transformers can read ({first})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError("model.kwargs.path", path, f"a causal language model architecture (model_type "
+                          f"{config.model_type!r} has no AutoModelForCausalLM class)")
+    return config
+
+
 def _check_supported_attention(config: Any, value: str) -> None:
     """`ConfigError` when the architecture has no `value` attention path: transformers'
     own check, on a meta-device build (no memory)."""
@@ -394,7 +417,7 @@ def _check_supported_attention(config: Any, value: str) -> None:
     try:
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=value)
-    except (ValueError, ImportError) as exc:
+    except Exception as exc:  # ValueError, ImportError, or another of a version without that path
         reason = first_line(exc).split(". ")[0]  # "XForCausalLM does not support ... yet"
         raise ConfigError("model.kwargs.attn_implementation", value, f"an implementation the architecture "
                           f"supports, or null for its default ({reason})") from None

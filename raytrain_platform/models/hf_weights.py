@@ -26,6 +26,7 @@ import copy
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
+from raytrain_platform.compat.hf_private import INIT_FLAG, init_weights
 from raytrain_platform.compat.torch_private import non_persistent_buffers
 from raytrain_platform.errors import CheckpointError, first_line
 from raytrain_platform.models.family import ConvertedWeight
@@ -115,9 +116,9 @@ def init_buffers(model: "nn.Module") -> None:
         return
     # tied tensors once; a tensor flagged already keeps its flag
     kept = {id(t): t for t in [*model.parameters(), *(b for _, b in _buffers(model, persistent=True))]
-            if not getattr(t, "_is_hf_initialized", False)}
+            if not getattr(t, INIT_FLAG, False)}
     for t in kept.values():
-        t._is_hf_initialized = True  # type: ignore[attr-defined]
+        setattr(t, INIT_FLAG, True)
     unset: list[str] = []
     try:
         with torch.no_grad(), initialization.guard_torch_init_functions():
@@ -126,12 +127,12 @@ def init_buffers(model: "nn.Module") -> None:
                 for b in own:
                     if b.is_floating_point():
                         b.fill_(float("nan"))  # what `_init_weights` leaves unset stays NaN
-                owner._init_weights(module)
+                init_weights(owner, module)
                 unset += [f"{name}.{n}" for n, b in module.named_buffers(recurse=False)
                           if n in non_persistent_buffers(module) and b.is_floating_point() and b.isnan().all()]
     finally:
         for t in kept.values():
-            del t._is_hf_initialized  # type: ignore[attr-defined]
+            delattr(t, INIT_FLAG)
     if unset:
         raise RuntimeError(f"transformers' _init_weights does not set the buffers {unset[:3]} after a meta-device "
                            "build")  # a bug for an architecture: say which

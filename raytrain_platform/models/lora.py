@@ -108,12 +108,10 @@ def _all_linear(model: "nn.Module", model_name: str) -> list[str]:
     """peft's ``all-linear`` pick, in module order. peft leaves out the output layer of a
     transformers model (``get_output_embeddings``); the family's `output_head` does the
     same for any other model (the builtin gpt's ``lm_head``)."""
-    from peft import LoraConfig
-    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
-
+    from raytrain_platform.compat.hf_private import all_linear_names
     from raytrain_platform.models.registry import get_family
 
-    picked = set(_maybe_include_all_linear_layers(LoraConfig(target_modules=ALL_LINEAR), model).target_modules)
+    picked = all_linear_names(model)
     head = get_family(model_name).output_head(model)
     return [name for name, m in model.named_modules() if name in picked and m is not head]
 
