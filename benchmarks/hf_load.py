@@ -9,8 +9,7 @@ peak <= 0.6x the one-process peak.
 
 A mixture of experts' checkpoint holds one tensor per expert, which transformers fuses
 into one per layer while loading (models/hf_weights.py): a rank builds each fused tensor
-whole from its experts, then keeps its slice. The MoE has no pipeline split (Llama-style
-decoders only), so no ``pp2`` side.
+whole from its experts, then keeps its slice. The MoE side measures FSDP2 only (no ``pp2``).
 
 Sides, each in a fresh process, interleaved over repeats:
 
