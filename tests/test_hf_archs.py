@@ -124,6 +124,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.extended  # a subprocess over all 13; tests/test_hf_matrix.py loads 3 into 2-rank FSDP2 by default
 def test_fsdp_sharded_parameters_load_through_their_slices(archs):
     """Every architecture under FSDP2 on a 1-rank gloo mesh: each parameter a DTensor,
     read through `local_slice` (a fused expert tensor built whole, then sliced), and the
