@@ -143,6 +143,28 @@ def test_half_of_a_fused_pair_is_one_line():
         check_targets(model, resolve_lora({"target_modules": ["gate_proj"]}), model_name="hf")
 
 
+def test_rtp_plan_lora_r_on_an_moe_folder_counts_what_get_peft_model_trains(tmp_path):
+    """``rtp plan --model hf:DIR --lora-r`` counts the adapters on the model itself (experts
+    and router included), not the Linear layers of its shape."""
+    import json
+
+    from raytrain_platform.tools.tiny_llm import make_tokenizer
+
+    make_tokenizer(tmp_path / "tok")
+    model_dir = make_arch(tmp_path / "moe", "qwen3_moe", tmp_path / "tok")
+    proc = subprocess.run([sys.executable, "-m", "raytrain_platform", "plan", "--model", f"hf:{model_dir}",
+                           "--device-mem", "80GiB", "--global-batch", "8", "--lora-r", str(R), "--json"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    planned = json.loads(proc.stdout)["request"]["lora"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
+    ref = {n: p for n, p in _peft_all_linear(model).named_parameters() if p.requires_grad}
+    assert (planned["params"], planned["tensors"]) == (sum(p.numel() for p in ref.values()), len(ref))
+    assert planned["targets"][-4:] == ["gate", "gate_proj", "up_proj", "down_proj"]
+
+
 # Two torchrun launches of 4 steps, two exports and a served load per architecture: about 90 s on 2 loaded cores.
 @pytest.mark.slow
 @pytest.mark.extended

@@ -234,7 +234,7 @@ def adapted_peft_config(model: "nn.Module", lora: dict, *, base_path: str | None
     config = peft_config({**lora, "target_modules": _names(model, adapted)}, base_path=base_path,
                          task_type=task_type, fan_in_fan_out=flipped)
     if len(adapted) < len(wrapped):
-        own = model.peft_config[ADAPTER]  # set by inject_adapter_in_model, converted by peft
+        own: Any = getattr(model, "peft_config")[ADAPTER]  # set by inject_adapter_in_model, converted by peft
         config.target_parameters = sorted(own.target_parameters)
         config.rank_pattern, config.alpha_pattern = dict(own.rank_pattern), dict(own.alpha_pattern)
     return config
@@ -255,10 +255,16 @@ def apply_lora(model: "nn.Module", lora: dict, *, model_name: str) -> "nn.Module
     """`model` with LoRA adapters injected in place (same class, same paths); only the
     adapters require gradients. Works on a meta-device model: its adapters are then on
     the meta device too, and are initialised after ``to_empty`` (core/adapters.py)."""
+    import warnings
+
     from peft import inject_adapter_in_model
 
     config = model_peft_config(model, lora, model_name=model_name)
-    model = inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    with warnings.catch_warnings():
+        # peft's own conversion sets the fused experts' rank_pattern; it applies to the parameter
+        # adapters, though peft's check of modules says it matched none (get_peft_model says so too)
+        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match")
+        model = inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
     return model

@@ -241,8 +241,9 @@ def _lora(args: argparse.Namespace, shape: ModelShape, defaults: dict) -> LoraSi
     try:
         if args.model and args.model.startswith("hf:"):  # counted on the model itself: MoE experts too
             lora = resolve_lora({"r": r, "target_modules": ALL_LINEAR if targets == DEFAULT_TARGETS else list(targets)})
-            return model_lora_size(get_family("hf").build({"path": args.model[len("hf:"):]}, device="meta"), lora,
-                                   model_name="hf")
+            hf = get_family("hf")
+            model = hf.build(hf.resolve_kwargs({"path": args.model[len("hf:"):]}), device="meta")
+            return model_lora_size(model, lora, model_name="hf")
         return lora_size(shape, r=r, targets=targets)
     except ConfigError as exc:  # lora_size names model.lora's fields: name the flags typed instead
         if exc.field == "model.lora.target_modules":
