@@ -147,7 +147,7 @@ def test_half_of_a_fused_pair_is_one_line():
 
 def test_rtp_plan_lora_r_on_an_moe_folder_counts_what_get_peft_model_trains(tmp_path):
     """``rtp plan --model hf:DIR --lora-r`` counts the adapters on the model itself (experts
-    and router included), not the Linear layers of its shape."""
+    and router included), not the Linear layers of its shape; the run's summary names them."""
     import json
 
     from raytrain_platform.tools.tiny_llm import make_tokenizer
@@ -165,6 +165,14 @@ def test_rtp_plan_lora_r_on_an_moe_folder_counts_what_get_peft_model_trains(tmp_
     ref = {n: p for n, p in _peft_all_linear(model).named_parameters() if p.requires_grad}
     assert (planned["params"], planned["tensors"]) == (sum(p.numel() for p in ref.values()), len(ref))
     assert planned["targets"][-4:] == ["gate", "gate_proj", "up_proj", "down_proj"]
+    # the run's summary names them (resolved before Ray, kept in the run's config)
+    from raytrain_platform.config import load_config
+    from raytrain_platform.resolve import resolve_job
+
+    cfg = hf_config(tmp_path, "names", model_dir)
+    cfg["model"]["lora"] = {"r": R}
+    assert (" with LoRA r 4 on q_proj, k_proj, v_proj, o_proj, gate, gate_proj, up_proj, down_proj (only the "
+            "adapters train) ") in resolve_job(load_config(cfg)).config.summary()
 
 
 # Three torchrun launches of <= 4 steps, two exports and a served load per architecture: about 90 s on 2 loaded cores.
