@@ -62,8 +62,8 @@ class ModelConfig:
     wraps (default: the children of its largest `nn.ModuleList` of one class)."""
     lora: Union[dict, None] = None
     """LoRA adapters `{r, alpha, dropout, target_modules}` (defaults 8, 16, 0.0, `all-linear`: peft's rule,
-    every `nn.Linear` and `Conv1D` but the output head, resolved to module names before Ray; a mixture of
-    experts' fused experts are not adapted): the base is frozen and only the adapters train; see
+    every `nn.Linear` and `Conv1D` but the output head, resolved to module names before Ray; on a mixture of
+    experts, its fused experts and router too, as peft's `get_peft_model` adapts them): the base is frozen and only the adapters train; see
     [hf.md](hf.md#lora-fine-tuning-modellora)."""
 
     def __post_init__(self) -> None:

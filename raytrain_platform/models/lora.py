@@ -25,6 +25,14 @@ explicit list names modules by the end of their path, as peft matches them (``q_
 matches ``model.layers.3.self_attn.q_proj``); each target must match at least one
 ``nn.Linear`` or ``Conv1D`` (otherwise one line naming the ones the model has).
 
+A mixture of experts whose experts transformers 5 fused into 3-D parameters (Mixtral,
+Qwen3-MoE) is adapted as ``get_peft_model`` adapts it: peft's ``inject_adapter`` converts
+the experts' and router's v4 module names (Qwen3-MoE's ``gate``, ``gate_proj``, ``up_proj``,
+``down_proj``; Mixtral's ``gate``, ``w1``, ``w3``, ``w2``) into ``target_parameters``, adapted
+by ``lora.ParamWrapper`` (the fused ``gate_up_proj`` with rank and alpha doubled). ``all-linear``
+resolves to the attention's linear layers plus those names (compat/hf_private.py
+`fused_expert_names`, peft's own expansion), and an explicit list may name them too.
+
 No torch at module level: the config layer checks the section through `resolve_lora`.
 
 >>> resolve_lora({"r": 4})["target_modules"]
@@ -116,24 +124,41 @@ def _all_linear(model: "nn.Module", model_name: str) -> list[str]:
     return [name for name, m in model.named_modules() if name in picked and m is not head]
 
 
+def _parameter_targets(model: "nn.Module", lora: dict) -> list[str]:
+    """The targets of `lora` that peft's conversion turns into ``target_parameters`` on
+    `model` (the v4 names of a mixture of experts' fused experts and router), in order."""
+    from raytrain_platform.compat.hf_private import converted_targets, fused_expert_names
+
+    targets = lora["target_modules"]
+    if targets == ALL_LINEAR:
+        return fused_expert_names(model)
+    try:
+        kept = converted_targets(peft_config(lora), model).target_modules
+    except ValueError as exc:  # half of a fused pair, e.g. gate_proj without up_proj
+        raise ConfigError("model.lora.target_modules", targets, f"targets peft can convert on this model: {exc}")
+    return [t for t in targets if t not in kept]
+
+
 def check_targets(model: "nn.Module", lora: dict, *, model_name: str) -> list[str]:
     """The paths of the Linear / Conv1D modules `lora`'s targets pick, in module order
     (built on the meta device, this is free); a `ConfigError` for a model with no linear
-    layer or a target that matches none."""
+    layer or a target that matches none. Targets that peft adapts as parameters (a
+    mixture of experts' fused experts, `_parameter_targets`) are not among the paths."""
     linears = linear_names(model)
     if not linears:
         classes = sorted({type(m).__name__ for m in model.modules()})[:8]
         raise ConfigError("model.lora", lora, f"a model with nn.Linear layers for LoRA adapters; model "
                           f"{model_name!r} has none (its modules are {classes})")
+    params = _parameter_targets(model, lora)
     if lora["target_modules"] == ALL_LINEAR:
         picked = _all_linear(model, model_name)
-        if not picked:
+        if not picked and not params:
             raise ConfigError("model.lora.target_modules", ALL_LINEAR, f"a list of module names: model "
                               f"{model_name!r} has no linear layer but its output layer ({linears})")
         return picked
     short = sorted({n.rsplit(".", 1)[-1] for n in linears})
     hit: set[str] = set()
-    for target in lora["target_modules"]:
+    for target in (t for t in lora["target_modules"] if t not in params):
         hits = [n for n in linears if _matches(n, target)]
         if not hits:
             other = [n for n, _ in model.named_modules() if n and _matches(n, target)]
@@ -153,13 +178,20 @@ def _names(model: "nn.Module", picked: list[str]) -> list[str]:
     return short if matched == set(picked) else list(picked)
 
 
+def _peft_targets(model: "nn.Module", lora: dict, picked: list[str]) -> list[str]:
+    """The ``target_modules`` to hand peft: the `picked` modules' names, then the names
+    peft's conversion makes parameter targets of."""
+    params = _parameter_targets(model, lora)
+    return [n for n in _names(model, picked) if n not in params] + params
+
+
 def resolve_targets(model: "nn.Module", lora: dict, *, model_name: str) -> dict:
-    """`lora` with ``all-linear`` replaced by the modules it picks on `model` (an explicit
+    """`lora` with ``all-linear`` replaced by the names it picks on `model` (an explicit
     list is checked and kept as it is)."""
     picked = check_targets(model, lora, model_name=model_name)
     if lora["target_modules"] != ALL_LINEAR:
         return dict(lora)
-    return {**lora, "target_modules": _names(model, picked)}
+    return {**lora, "target_modules": _peft_targets(model, lora, picked)}
 
 
 def peft_config(lora: dict, *, base_path: str | None = None, task_type: str | None = None,
@@ -182,8 +214,8 @@ def model_peft_config(model: "nn.Module", lora: dict, *, model_name: str, base_p
     from transformers.pytorch_utils import Conv1D
 
     picked = check_targets(model, lora, model_name=model_name)
-    conv1d = all(isinstance(model.get_submodule(n), Conv1D) for n in picked)
-    return peft_config({**lora, "target_modules": _names(model, picked)}, base_path=base_path,
+    conv1d = bool(picked) and all(isinstance(model.get_submodule(n), Conv1D) for n in picked)
+    return peft_config({**lora, "target_modules": _peft_targets(model, lora, picked)}, base_path=base_path,
                        task_type=task_type, fan_in_fan_out=conv1d)
 
 
@@ -191,11 +223,21 @@ def adapted_peft_config(model: "nn.Module", lora: dict, *, base_path: str | None
                         task_type: str | None = None) -> Any:
     """The ``peft.LoraConfig`` describing `model`'s injected adapters as they are: the
     modules that hold one, and ``fan_in_fan_out`` as peft set it on them (what an adapter
-    directory saves, for ``PeftModel.from_pretrained`` to adapt the same modules)."""
-    adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and ADAPTER in m.lora_A]
+    directory saves, for ``PeftModel.from_pretrained`` to adapt the same modules).
+    Parameter adapters (``lora.ParamWrapper``) are saved as peft's conversion set them
+    when injecting: ``target_parameters`` with their ``rank_pattern`` / ``alpha_pattern``."""
+    from peft.tuners.lora import ParamWrapper
+
+    wrapped = [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A") and ADAPTER in m.lora_A]
+    adapted = [n for n, m in wrapped if not isinstance(m, ParamWrapper)]
     flipped = any(getattr(model.get_submodule(n), "fan_in_fan_out", False) for n in adapted)
-    return peft_config({**lora, "target_modules": _names(model, adapted)}, base_path=base_path,
-                       task_type=task_type, fan_in_fan_out=flipped)
+    config = peft_config({**lora, "target_modules": _names(model, adapted)}, base_path=base_path,
+                         task_type=task_type, fan_in_fan_out=flipped)
+    if len(adapted) < len(wrapped):
+        own: Any = getattr(model, "peft_config")[ADAPTER]  # set by inject_adapter_in_model, converted by peft
+        config.target_parameters = sorted(own.target_parameters)
+        config.rank_pattern, config.alpha_pattern = dict(own.rank_pattern), dict(own.alpha_pattern)
+    return config
 
 
 def stores_in_out(model: "nn.Module", lora: dict) -> bool:
@@ -213,10 +255,16 @@ def apply_lora(model: "nn.Module", lora: dict, *, model_name: str) -> "nn.Module
     """`model` with LoRA adapters injected in place (same class, same paths); only the
     adapters require gradients. Works on a meta-device model: its adapters are then on
     the meta device too, and are initialised after ``to_empty`` (core/adapters.py)."""
+    import warnings
+
     from peft import inject_adapter_in_model
 
     config = model_peft_config(model, lora, model_name=model_name)
-    model = inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    with warnings.catch_warnings():
+        # peft's own conversion sets the fused experts' rank_pattern; it applies to the parameter
+        # adapters, though peft's check of modules says it matched none (get_peft_model says so too)
+        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match")
+        model = inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
     return model
@@ -235,10 +283,17 @@ def base_source_name(name: str) -> str | None:
     'model.layers.0.self_attn.q_proj.weight'
     >>> base_source_name("model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
     True
+
+    Parameter adapters nest (``experts`` wraps ``experts.base_layer``, which wraps the experts):
+
+    >>> base_source_name("model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj")
+    'model.layers.0.mlp.experts.gate_up_proj'
     """
     if is_adapter(name):
         return None
-    return name.replace(".base_layer.", ".")
+    while ".base_layer." in name:
+        name = name.replace(".base_layer.", ".")
+    return name
 
 
 def adapter_state(model: "nn.Module") -> dict:
@@ -252,14 +307,23 @@ def adapter_state(model: "nn.Module") -> dict:
 
 def merge_lora(model: "nn.Module") -> "nn.Module":
     """Adapters folded into their base weights (W + B A x alpha / r), each LoRA layer
-    replaced by its plain base module: the model's original structure and names."""
+    replaced by its plain base module: the model's original structure and names. As
+    peft's ``merge_and_unload`` does it: the outer of nested parameter adapters
+    (``lora.ParamWrapper``) merges and unwraps the inner ones."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    done: list[str] = []
     for name, module in list(model.named_modules()):
-        base = getattr(module, "base_layer", None)
-        if base is None or not hasattr(module, "merge"):
+        if not isinstance(module, BaseTunerLayer) or any(name.startswith(d + ".") for d in done):
             continue
-        module.merge(safe_merge=True, adapter_names=[ADAPTER])
+        if hasattr(module, "unload_and_optionally_merge_module"):
+            base = module.unload_and_optionally_merge_module(merge=True, safe_merge=True, adapter_names=[ADAPTER])
+        else:
+            module.merge(safe_merge=True, adapter_names=[ADAPTER])
+            base = module.get_base_layer()
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+        setattr(model.get_submodule(parent) if parent else model, child, base)
+        done.append(name)
     if hasattr(model, "peft_config"):
         del model.peft_config
     return model

@@ -25,6 +25,7 @@ from raytrain_platform.plan.guide import LABELS, Plan, make_plan
 from raytrain_platform.plan.lora import DEFAULT_TARGETS, LoraSize, lora_size, model_lora_size
 from raytrain_platform.models.hf import HFFamily
 from raytrain_platform.models.hf_shapes import hf_shape
+from raytrain_platform.models.lora import ALL_LINEAR, resolve_lora
 from raytrain_platform.models.registry import FAMILIES, family_names, get_family
 from raytrain_platform.plan.shapes import PRESETS, ModelShape, generic_shape, preset_shape
 from raytrain_platform.units import SIZE_HELP, parse_count, parse_size
@@ -238,11 +239,16 @@ def _lora(args: argparse.Namespace, shape: ModelShape, defaults: dict) -> LoraSi
     r = _int("--lora-r", args.lora_r)
     assert r is not None, "args.lora_r is set"
     try:
+        if args.model and args.model.startswith("hf:"):  # counted on the model itself: MoE experts too
+            lora = resolve_lora({"r": r, "target_modules": ALL_LINEAR if targets == DEFAULT_TARGETS else list(targets)})
+            hf = get_family("hf")
+            model = hf.build(hf.resolve_kwargs({"path": args.model[len("hf:"):]}), device="meta")
+            return model_lora_size(model, lora, model_name="hf")
         return lora_size(shape, r=r, targets=targets)
     except ConfigError as exc:  # lora_size names model.lora's fields: name the flags typed instead
         if exc.field == "model.lora.target_modules":
             raise ConfigError("--lora-targets", exc.value, exc.allowed) from None
-        if exc.field == "model.lora":  # a model without LoRA's Linear layers (an mlp)
+        if exc.field in ("model.lora", "model.lora.r"):  # a model without LoRA's Linear layers (an mlp)
             raise ConfigError("--lora-r", args.lora_r, exc.allowed) from None
         raise
 

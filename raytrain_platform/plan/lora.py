@@ -9,9 +9,9 @@ gradients. Activations are those of full fine-tuning: backward still runs throug
 every block to reach the first adapters. The rank-``r`` intermediates are left out
 (``r`` values per token per adapter).
 
-With a model to build (a config's ``model``), `model_lora_size` counts the modules the
-run adapts on that model itself, built on the meta device (`models.lora.check_targets`:
-peft's ``all-linear`` by default); from a shape alone (``rtp plan --lora-r``),
+With a model to build (a config's ``model``), `model_lora_size` counts the adapters the
+run makes on that model itself, built on the meta device (`models.lora.apply_lora`:
+peft's ``all-linear`` by default, a mixture of experts' experts included); from a shape alone (``rtp plan --lora-r``),
 `lora_size` counts the Linear layers a shape lists (read off the built model by
 `rtp plan`; a preset's are a decoder's projections), ``all-linear`` being all but the LM head.
 
@@ -92,18 +92,15 @@ def lora_size(model: ModelShape, *, r: int, targets: tuple[str, ...] | list[str]
 
 
 def model_lora_size(model: "nn.Module", lora: dict, *, model_name: str) -> LoraSize:
-    """The adapters of ``model.lora`` `lora` on the modules it picks on `model` (a
-    meta-device build is enough): ``r x (in + out)`` for each, as peft makes them."""
-    from torch import nn
+    """The adapters of ``model.lora`` `lora` on `model`, counted on a copy of it with
+    the adapters injected as the run injects them (`models.lora.apply_lora`; a
+    meta-device build is enough and costs nothing): ``r x (in + out)`` for each adapted
+    Linear, and what peft gives a mixture of experts' fused experts and router."""
+    import copy
 
-    from raytrain_platform.models.lora import check_targets, resolve_targets
+    from raytrain_platform.models.lora import apply_lora, is_adapter, resolve_targets
 
-    picked = check_targets(model, lora, model_name=model_name)
-    params = 0
-    for name in picked:
-        m = model.get_submodule(name)
-        # nn.Linear's weight is (out, in); transformers' Conv1D stores (in, out)
-        fan_in, fan_out = (m.in_features, m.out_features) if isinstance(m, nn.Linear) else getattr(m, "weight").shape
-        params += lora["r"] * (fan_in + fan_out)
     targets = resolve_targets(model, lora, model_name=model_name)["target_modules"]
-    return LoraSize(params=params, tensors=2 * len(picked), r=lora["r"], targets=tuple(targets))
+    adapted = apply_lora(copy.deepcopy(model), lora, model_name=model_name)
+    sizes = [p.numel() for n, p in adapted.named_parameters() if is_adapter(n)]
+    return LoraSize(params=sum(sizes), tensors=len(sizes), r=lora["r"], targets=tuple(targets))
