@@ -8,7 +8,6 @@
     rtp sweep SWEEP.yaml [--set KEY=VALUE ...] [--address ADDR] [--verbose]
     rtp serve RUN_DIR_OR_CHECKPOINT ... [--host 127.0.0.1] [--port 8000] [--replicas N] [--write-config FILE]
     rtp doctor CONFIG [--set KEY=VALUE ...] [--workers 1,2] [--steps N] [--out DIR] [--json]
-    rtp cache [--max-size SIZE | --clear]
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (config, data, checkpoint).
 """
@@ -79,53 +78,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_cache(args: argparse.Namespace) -> int:
-    import contextlib
-    import os
-    import time
-
-    from raytrain_platform.data import window_cache
-    from raytrain_platform.data.token_cache import CACHE_ENV, MAX_SIZE_ENV, cache_dir, windows_limit
-    from raytrain_platform.errors import ConfigError
-    from raytrain_platform.units import format_size
-
-    root = cache_dir()
-    if root is None:
-        why = f"{CACHE_ENV} is set empty" if os.environ.get(CACHE_ENV) == "" else f"no home folder (set {CACHE_ENV})"
-        print(f"no token cache: {why}")
-        return 0
-    if root.exists() and not root.is_dir():
-        raise ConfigError(CACHE_ENV, str(root), "a folder for the token cache (this is a file)")
-    windows, sums = root / "token-windows", root / "token-counts"
-    if args.clear:
-        found = window_cache.entries(windows)
-        removed = [e for e in found if window_cache.remove(e.path)]
-        files = 0
-        for f in sums.glob("*.json"):
-            with contextlib.suppress(OSError):
-                f.unlink()
-                files += 1
-        busy = f"; {len(found) - len(removed)} in use left" if len(removed) < len(found) else ""
-        print(f"removed {window_cache.entries_text(len(removed))} ({format_size(sum(e.bytes for e in removed))}) "
-              f"and {files} token sum file(s) from {root}{busy}")
-        return 0
-    if args.max_size is not None:
-        limit, source = windows_limit(args.max_size, "--max-size"), "--max-size"
-        pruned = window_cache.prune(windows, limit, recent_s=0)
-        print(f"removed {window_cache.entries_text(pruned.removed)} used longest ago "
-              f"({format_size(pruned.removed_bytes)})")
-    else:
-        limit, source = windows_limit(), MAX_SIZE_ENV
-    found = window_cache.entries(windows)
-    oldest = (f"; least recently used {time.strftime('%Y-%m-%d %H:%M', time.localtime(found[0].used))}"
-              if found else "")
-    print(f"token cache: {root}")
-    print(f"  windows: {window_cache.entries_text(len(found))}, {format_size(sum(e.bytes for e in found))} "
-          f"of at most {format_size(limit)} ({source}){oldest}")
-    print(f"  token sums: {len(list(sums.glob('*.json')))} file(s)")
-    return 0
-
-
 # Commands whose arguments and entry point live in their own package's command module:
 # (name, module, its add-arguments function, its run function -> exit code, help).
 _PACKAGE_COMMANDS = (
@@ -171,13 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load a run whose model.name is a Python import path (a user builder): building "
                         "it imports and calls the code its config names")
     p.set_defaults(fn=_cmd_export)
-    p = sub.add_parser("cache", help="show the token cache (tokenized windows), trim it or clear it")
-    what = p.add_mutually_exclusive_group()
-    what.add_argument("--max-size", default=None, metavar="SIZE",
-                      help="remove the windows used longest ago until at most SIZE (like 5GiB) are left")
-    what.add_argument("--clear", action="store_true",
-                      help="remove every kept window and token sum (windows being read or written are left)")
-    p.set_defaults(fn=_cmd_cache)
     for name, module, add_arguments, run, help_text in _PACKAGE_COMMANDS:
         mod = importlib.import_module(module)  # light: torch and Ray load when the command runs
         p = sub.add_parser(name, help=help_text)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 from raytrain_platform.config import JobConfig
-from raytrain_platform.data.jsonl import check_fits
+from raytrain_platform.data.encode import check_fits
+from raytrain_platform.data.prepared import check_cache_root
 from raytrain_platform.data.sources import DataInfo, SourceSpec, describe
 from raytrain_platform.errors import ConfigError, DataError
 from raytrain_platform.models.family import ModelFamily
@@ -69,11 +71,14 @@ class ResolvedJob:
                    notes=tuple(d.get("notes", ())), warnings=tuple(d.get("warnings", ())))
 
 
-def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJob:
+def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None, *,
+                start_ray: Callable[[], None] | None = None) -> ResolvedJob:
     """Raises `DataError` / `ConfigError` with one line naming the problem.
 
     ``auto`` fields are decided here, on `hardware` (the cluster's, from the launcher)
-    or, without it, on this machine (plan/auto.py)."""
+    or, without it, on this machine (plan/auto.py). A tokenized source is tokenized once
+    (data/tokenize_pass.py), after every other check: on Ray where `start_ray` is given
+    (it connects or starts it) or this process is connected, else in this process."""
     family = get_family(cfg.model.name)
     tokenizer = cfg.data.tokenizer
     if tokenizer and not os.path.isabs(tokenizer):  # Ray's tasks do not share this working directory
@@ -83,11 +88,13 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
     if spec.tokenized:  # the tokenizer loads, has what the format needs and fits the model
         check_fits(spec.token_spec(), vocab_size=family.vocab_size(cfg.model.kwargs),
                    max_positions=family.max_seq_len(cfg.model.kwargs))
-    info = describe(spec)
-    kwargs = family.fill_from_data(cfg.model.kwargs, num_features=info.num_features,
-                                   num_classes=info.num_classes, task=cfg.model.resolved_task)
-    if kwargs != cfg.model.kwargs:
-        cfg = cfg.replace({"model.kwargs": kwargs})
+        assert spec.cache_root
+        check_cache_root(spec.cache_root)
+    # Tabular sources are looked at first (their shape fills the model's sizes); a
+    # tokenized one last, after every check that needs no data.
+    info = None if spec.tokenized else describe(spec)
+    if info is not None:
+        cfg = _fill_from_data(cfg, family, info)
     # User builders: imported, called with their kwargs on the meta device (no memory).
     needs_blocks = next(iter(cfg.parallel.block_options_set()), None)
     family.precheck(cfg.model.kwargs, block_class=cfg.model.block_class, needs_blocks=needs_blocks)
@@ -97,6 +104,10 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
                                model_name=cfg.model.name)
         if lora != cfg.model.lora:
             cfg = cfg.replace({"model.lora": lora})
+    if info is None:
+        if start_ray is not None:
+            start_ray()
+        info = describe(spec)
     notes: list[str] = []
     if has_auto(cfg):
         cfg, notes = resolve_auto(cfg, hardware or local_hardware(cfg))
@@ -127,6 +138,13 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None) -> ResolvedJ
         limits.append(cfg.train.epochs * steps_per_epoch)
     return ResolvedJob(config=cfg, data=info, steps_per_epoch=steps_per_epoch, total_steps=min(limits),
                        notes=tuple(notes), warnings=warnings)
+
+
+def _fill_from_data(cfg: JobConfig, family: ModelFamily, info: DataInfo) -> JobConfig:
+    """The config with what the model's family fills in from the data (an MLP's sizes)."""
+    kwargs = family.fill_from_data(cfg.model.kwargs, num_features=info.num_features,
+                                   num_classes=info.num_classes, task=cfg.model.resolved_task)
+    return cfg.replace({"model.kwargs": kwargs}) if kwargs != cfg.model.kwargs else cfg
 
 
 def _val_warnings(cfg: JobConfig, num_val: int) -> tuple[str, ...]:

@@ -162,16 +162,12 @@ class DataConfig:
     max_read_rows_per_s: Union[float, None] = None  # throttle each read task (simulate slow storage)
     """Throttle each read task to this many rows/s: simulates slow storage (what `rtp doctor`'s data-loading
     check is tested with)."""
-    window_cache: bool = True
-    """`jsonl`, and `text` with a tokenizer: keep each file's packed windows in the token cache, so a file is
-    tokenized once, by the driver's count, and the read tasks map the windows instead of tokenizing it again
-    every epoch; `false` for a corpus too large to keep twice on disk. See
-    [data.md](data.md#tokenized-once-the-token-cache)."""
-    tokenize_processes: Union[int, str] = "auto"
-    """`jsonl`, and `text` with a tokenizer: processes the driver's count pass tokenizes with. `auto`: the
-    driver's own below 16 MiB to tokenize, and in a Ray actor (a sweep's trial), else one per core it may
-    use (divided among a torchrun node's ranks), at most 16; `N`: that many (1: the driver's process alone).
-    The windows are the same either way."""
+    cache_path: Union[str, None] = None
+    """`jsonl`, and `text` with a tokenizer: where the tokenized dataset is written (a folder, a shared mount or
+    a pyarrow URI such as `s3://bucket/datasets`; default `<run.storage_path>/datasets`). One Ray Data pass
+    over the cluster tokenizes and packs the source once; every later run, resume, sweep trial and node reads
+    the same windows. It must be writable (checked before Ray starts). See
+    [data.md](data.md#tokenized-once-on-the-cluster)."""
     packing: Union[str, None] = None
     """`jsonl`: how documents fill the windows of `data.seq_len + 1` tokens. `documents`: whole documents,
     best-fit packed, each apart (its positions start at 0 and it attends only to itself, through position ids
@@ -183,8 +179,7 @@ class DataConfig:
     See [data.md](data.md#packing-documents-or-one-stream)."""
 
     _ALLOWED: ClassVar[dict[str, str]] = {
-        "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)",
-        "tokenize_processes": "an integer >= 1, or 'auto' (one per core for 16 MiB or more to tokenize)"}
+        "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)"}
 
     _SOURCES: ClassVar[tuple[str, ...]] = ("parquet", "synthetic", "text", "jsonl")
     _FORMATS: ClassVar[tuple[str, ...]] = ("text", "prompt_completion", "chat")  # data/jsonl.py
@@ -205,9 +200,8 @@ class DataConfig:
                "a .jsonl file, a folder of them or a URI when data.source is jsonl")
         check_field(self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
                "data.batch_size", self.batch_size, self._ALLOWED["batch_size"])
-        check_field(self.tokenize_processes == "auto" or (type(self.tokenize_processes) is int
-                                                     and self.tokenize_processes >= 1),
-               "data.tokenize_processes", self.tokenize_processes, self._ALLOWED["tokenize_processes"])
+        check_field(self.cache_path is None or bool(self.cache_path), "data.cache_path", self.cache_path,
+               "a folder or pyarrow URI, or null (<run.storage_path>/datasets)")
         check_field(self.source != "parquet" or bool(self.path), "data.path", self.path,
                "a folder or URI of Parquet files when data.source is parquet")
         check_field(self.val_path is None or self.source == "parquet", "data.val_path", self.val_path,
@@ -271,6 +265,18 @@ class DataConfig:
         if self.source not in ("text", "jsonl"):
             return None
         return self.tokenizer or get_family(model.name).default_tokenizer(model.kwargs)
+
+    def cache_root(self, storage_path: str) -> str:
+        """Where tokenized datasets are written: ``cache_path``, else ``<storage_path>/datasets``
+        (local paths absolute: Ray's processes start elsewhere).
+
+        >>> DataConfig(source="jsonl", path="d", cache_path="s3://b/ds").cache_root("/runs")
+        's3://b/ds'
+        >>> DataConfig(source="jsonl", path="d").cache_root("/runs")
+        '/runs/datasets'
+        """
+        root = self.cache_path or storage_path.rstrip("/") + "/datasets"
+        return root if "://" in root else os.path.abspath(os.path.expanduser(root))
 
 
 @dataclass

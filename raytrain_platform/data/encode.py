@@ -17,14 +17,15 @@ import numpy as np
 from raytrain_platform.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
-    from raytrain_platform.data.jsonl import JsonlSpec
+    from raytrain_platform.data.specs import TokenSpec
 
-__all__ = ["ENCODE_BATCH", "ENCODE_CHARS", "load_tokenizer", "encode_record"]
+__all__ = ["ENCODE_BATCH", "ENCODE_CHARS", "RecordError", "load_tokenizer", "folder_state", "check_record",
+           "encode_records", "encode_record", "text_documents", "encodeencode_batches"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _folder_state(path: str) -> tuple:
+def folder_state(path: str) -> tuple:
     """(name, size, modification time) of each file in the folder: what a tokenizer
     loaded from it was loaded from (empty where it cannot be listed)."""
     try:
@@ -36,7 +37,7 @@ def _folder_state(path: str) -> tuple:
 
 @functools.lru_cache(maxsize=8)
 def _load_tokenizer(path: str, state: tuple = ()) -> Any:
-    """`state` (`_folder_state`) keys the cache: files changed in place load again."""
+    """`state` (`folder_state`) keys the cache: files changed in place load again."""
     from transformers import AutoTokenizer
 
     allowed = "a local folder with tokenizer files (tokenizer.json or tokenizer_config.json)"
@@ -57,13 +58,22 @@ def _load_tokenizer(path: str, state: tuple = ()) -> Any:
 def load_tokenizer(path: str, *, need_chat_template: bool) -> Any:
     """The Hugging Face tokenizer in local folder `path`, loaded once per process and
     again if its files change; never downloads, never runs code from the folder."""
-    tok = _load_tokenizer(path, _folder_state(path))
+    tok = _load_tokenizer(path, folder_state(path))
     if need_chat_template and not getattr(tok, "chat_template", None):
         raise ConfigError("data.tokenizer", path, "a tokenizer with a chat_template for data.format chat")
     return tok
 
 
 # ---------------------------------------------------------------- records
+
+
+class RecordError(DataError):
+    """A record that cannot be tokenized: `index` is its place in the list handed to
+    `encode_records`; the message names no location (the reader adds its file and line)."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
 
 
 def _check_unicode(value: Any, where: str) -> None:
@@ -99,7 +109,7 @@ def _check_messages(messages: Any, field: str) -> None:
         raise DataError(f"expected {field!r} to hold at least one message with role 'assistant'")
 
 
-def _check_record(record: Any, spec: JsonlSpec) -> None:
+def check_record(record: Any, spec: TokenSpec) -> None:
     """DataError (without a location; the reader adds it) unless `record` fits `spec.format`."""
     if not isinstance(record, dict):
         raise DataError(f"expected a JSON object, got {type(record).__name__}")
@@ -159,15 +169,14 @@ def _assistant_spans(tok: Any, messages: list[dict], full: str) -> list[tuple[in
     return spans
 
 
-def _encode_chats(tok: Any, conversations: list[list[dict]],
-                  where: Callable[[int], str]) -> list[tuple[list[int], list[int]]]:
+def _encode_chats(tok: Any, conversations: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
     rendered = []
     for i, messages in enumerate(conversations):
         try:
             full = _render(tok, messages)
             rendered.append((full, _assistant_spans(tok, messages, full)))
         except DataError as exc:
-            raise DataError(f"{where(i)}{exc}") from None
+            raise RecordError(i, str(exc)) from None
     if not rendered:
         return []
     enc = tok([full for full, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
@@ -182,39 +191,38 @@ def _encode_chats(tok: Any, conversations: list[list[dict]],
     return docs
 
 
-def _text_docs(tok: Any, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+def text_documents(tok: Any, texts: list[str]) -> list[tuple[list[int], list[int]]]:
     bos, eos = _bos(tok), tok.eos_token_id
     return [(bos + ids + [eos], [0] * len(bos) + [1] * (len(ids) + 1)) for ids in _ids(tok, texts)]
 
 
-def _encode(tok: Any, records: list[dict], spec: JsonlSpec,
-            where: Callable[[int], str] = lambda i: "") -> list[tuple[list[int], list[int]]]:
+def encode_records(tok: Any, records: list[dict], spec: TokenSpec) -> list[tuple[list[int], list[int]]]:
     """Token ids (ending with EOS) and loss mask (1 = trained on) of each checked
     record, the tokenizer called once for them all. A conversation the chat template
-    cannot render raises DataError, its message prefixed by ``where(its index)``."""
+    cannot render raises `RecordError` with its index."""
     if spec.format == "text":
-        return _text_docs(tok, [r[spec.text_field] for r in records])
+        return text_documents(tok, [r[spec.text_field] for r in records])
     if spec.format == "prompt_completion":
         bos, eos, n = _bos(tok), tok.eos_token_id, len(records)
         ids = _ids(tok, [r[spec.prompt_field] for r in records] + [r[spec.completion_field] for r in records])
         return [(bos + prompt + completion + [eos], [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + 1))
                 for prompt, completion in zip(ids[:n], ids[n:])]
-    return _encode_chats(tok, [r[spec.messages_field] for r in records], where)
+    return _encode_chats(tok, [r[spec.messages_field] for r in records])
 
 
-def encode_record(tok: Any, record: dict, spec: JsonlSpec) -> tuple[list[int], list[int]]:
+def encode_record(tok: Any, record: dict, spec: TokenSpec) -> tuple[list[int], list[int]]:
     """Token ids of one document (ending with EOS) and its loss mask (1 = trained on)."""
-    _check_record(record, spec)
-    return _encode(tok, [record], spec)[0]
+    check_record(record, spec)
+    return encode_records(tok, [record], spec)[0]
 
 
-def _batches(items: Iterator[Any], chars: Callable[[Any], int]) -> Iterator[list[Any]]:
+def encode_batches(items: Iterator[Any], chars: Callable[[Any], int]) -> Iterator[list[Any]]:
     """`items` in lists of at most `ENCODE_BATCH`, a list closed once its `chars`
     reach `ENCODE_CHARS`; where `items` raises DataError, the list so far, then the error.
 
-    >>> [len(b) for b in _batches(iter(range(150)), lambda i: 1)]
+    >>> [len(b) for b in encode_batches(iter(range(150)), lambda i: 1)]
     [64, 64, 22]
-    >>> [len(b) for b in _batches(iter(range(3)), lambda i: ENCODE_CHARS)]
+    >>> [len(b) for b in encode_batches(iter(range(3)), lambda i: ENCODE_CHARS)]
     [1, 1, 1]
     """
     batch, size = [], 0
@@ -231,3 +239,17 @@ def _batches(items: Iterator[Any], chars: Callable[[Any], int]) -> Iterator[list
         raise
     if batch:
         yield batch
+
+
+def check_fits(spec: TokenSpec, *, vocab_size: int | None, max_positions: int | None) -> None:
+    """ConfigError unless the tokenizer's ids fit the model's embedding and each window's
+    context (seq_len - 1) fits its positions; None skips a check."""
+    tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
+    if vocab_size is not None and len(tok) > vocab_size:
+        raise ConfigError("data.tokenizer", spec.tokenizer,
+                          f"a tokenizer of at most the model's vocab_size {vocab_size} tokens "
+                          f"(this one has {len(tok)})")
+    if max_positions is not None and spec.seq_len - 1 > max_positions:
+        raise ConfigError("data.seq_len", spec.seq_len,
+                          f"at most {max_positions + 1}: the model has {max_positions} positions "
+                          "and sees seq_len - 1 tokens")

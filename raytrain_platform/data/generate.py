@@ -4,7 +4,7 @@ and the benchmarks (no download needed).
     rtp make-data data/tabular --rows 20000 --features 16 --classes 4
 
 Rows come from the same deterministic generator as ``data.source: synthetic``
-(`sources.synthetic_rows`), so a Parquet run and a synthetic run of the same
+(`raw.synthetic_rows`), so a Parquet run and a synthetic run of the same
 seed see the same numbers. No torch, no Ray.
 """
 
@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from raytrain_platform.config.sections import MAX_SYNTHETIC, SEED_ALLOWED, SEED_LIMIT
-from raytrain_platform.data.sources import SourceSpec, synthetic_rows
+from raytrain_platform.data.raw import synthetic_rows
+from raytrain_platform.data.specs import SourceSpec
 from raytrain_platform.errors import PATH_ERRNOS, ConfigError, folder_problem
 
 __all__ = ["write_tabular_parquet"]

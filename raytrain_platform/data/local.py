@@ -21,7 +21,7 @@ class LocalBatches:
 
     def __init__(self, job: Any, *, rank: int, world_size: int):
         self.job, self.rank, self.world = job, rank, world_size
-        self.spec = SourceSpec.from_config(job.config)
+        self.spec = SourceSpec.from_config(job.config, prepared=job.data.prepared)
         self.batch = job.config.data.batch_size
 
     def _dealt(self, split: str, rounds: int, *, world: int) -> Iterator[dict[str, torch.Tensor]]:

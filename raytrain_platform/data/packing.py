@@ -1,9 +1,9 @@
 """``data.packing: documents``: whole documents packed into windows, each document
 apart (numpy only: no Ray, no torch).
 
-`jsonl.py`'s ``concat`` packing cuts one concatenated stream into windows, so a
+`ConcatPacker` (``concat``) cuts one concatenated stream into windows, so a
 document may start in one window and end in the next, and attends to the ones before
-it. Here a window of ``seq_len`` tokens holds whole documents, chosen by best-fit
+it. With `DocumentPacker` (``documents``) a window of ``seq_len`` tokens holds whole documents, chosen by best-fit
 decreasing over a bounded buffer of `PACK_BUFFER` documents (so it streams): each
 document goes into the open window with the least room that still fits it, the
 longest first; a buffer's windows are handed back once it is full, or at the end. A
@@ -32,13 +32,15 @@ documents are added at a time, nor on the chunk size.
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
-__all__ = ["PACKINGS", "PACK_BUFFER", "DocumentPacker", "window_arrays", "pad_id"]
+from raytrain_platform.data.specs import PACKINGS
 
-PACKINGS = ("documents", "concat")
+__all__ = ["PACKINGS", "PACK_BUFFER", "ConcatPacker", "DocumentPacker", "Packer", "make_packer", "window_arrays",
+           "pad_id", "joined"]
+
 # Documents held at once: best-fit over more of them pads less, and holds more in
 # memory before the first window can be handed on.
 PACK_BUFFER = 512
@@ -60,11 +62,58 @@ def pad_id(tok: Any) -> int:
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
+class ConcatPacker:
+    """Documents (ids, mask) concatenated in order and cut into non-overlapping windows
+    of `seq_len` tokens (the tail is dropped), `rows` windows to a chunk (the last may
+    hold fewer), each chunk handed back as soon as the documents fill it. Window ``i``
+    gets ``sample_id`` ``first_id | i``. Each token is copied a bounded number of times,
+    however long a document is."""
+
+    def __init__(self, seq_len: int, first_id: int, rows: int):
+        self.seq_len, self.first_id, self.chunk = seq_len, first_id, rows * seq_len
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.have = self.done = 0
+        self.truncated = 0  # never: a document may span windows
+
+    def _windows(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        n = ids.size // self.seq_len
+        out = {"tokens": ids.reshape(n, self.seq_len), "loss_mask": mask.reshape(n, self.seq_len),
+               "sample_id": np.int64(self.first_id) | np.arange(self.done, self.done + n, dtype=np.int64)}
+        self.done += n
+        return out
+
+    def _joined(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.concatenate([i for i, _ in self.pending]), np.concatenate([m for _, m in self.pending])
+
+    def add(self, doc_ids: list[int] | np.ndarray, doc_mask: list[int] | np.ndarray,
+            lengths: object = None) -> list[dict[str, np.ndarray]]:
+        """The chunks this document (or several, concatenated; their `lengths` do not
+        matter here) completes (often none)."""
+        self.pending.append((np.asarray(doc_ids, dtype=np.int32), np.asarray(doc_mask, dtype=np.uint8)))
+        self.have += len(doc_ids)
+        if self.have < self.chunk:
+            return []
+        ids, mask = self._joined()
+        whole = self.have // self.chunk * self.chunk
+        out = [self._windows(ids[start:start + self.chunk], mask[start:start + self.chunk])
+               for start in range(0, whole, self.chunk)]
+        self.pending, self.have = [(ids[whole:], mask[whole:])], self.have - whole
+        return out
+
+    def end(self) -> list[dict[str, np.ndarray]]:
+        """The last, shorter chunk of whole windows, if any."""
+        if self.have < self.seq_len:
+            return []
+        ids, mask = self._joined()
+        n = self.have // self.seq_len * self.seq_len
+        return [self._windows(ids[:n], mask[:n])]
+
+
 class DocumentPacker:
     """Documents added in order, packed whole into windows of `seq_len` tokens (see the
     module), `rows` windows to a chunk (the last may hold fewer), a chunk handed back as
     soon as it is full. Window ``i`` gets ``sample_id`` ``first_id | i``. The same
-    `add`/`end` as `jsonl`'s concatenating packer."""
+    `add`/`end` as `ConcatPacker`."""
 
     def __init__(self, seq_len: int, first_id: int, rows: int, pad_id: int, buffer: int = PACK_BUFFER):
         self.seq_len, self.first_id, self.rows, self.pad, self.buffer = seq_len, first_id, rows, pad_id, buffer
@@ -134,3 +183,25 @@ class DocumentPacker:
                         "position_ids": np.stack([p for _, _, p in part])})
             self.done += n
         return out
+
+
+Packer = ConcatPacker | DocumentPacker
+
+
+def make_packer(packing: str, seq_len: int, first_id: int, rows: int, pad: int) -> Packer:
+    """The packer of `packing` (``concat`` or ``documents``), its windows' ids from
+    `first_id` on, `rows` windows to a chunk, `pad` filling the rest of a window."""
+    if packing == "concat":
+        return ConcatPacker(seq_len, first_id, rows)
+    return DocumentPacker(seq_len, first_id, rows, pad)
+
+
+def joined(chunks: Iterable[dict[str, np.ndarray]], seq_len: int, packing: str = "concat") -> dict[str, np.ndarray]:
+    """Chunks of windows as one batch (empty arrays of the right shapes if none)."""
+    parts = list(chunks)
+    if not parts:
+        empty: dict[str, np.ndarray] = {
+            "tokens": np.zeros((0, seq_len), np.int32), "loss_mask": np.zeros((0, seq_len), np.uint8),
+            "sample_id": np.zeros(0, np.int64), "position_ids": np.zeros((0, seq_len), np.int32)}
+        return {k: empty[k] for k in window_arrays(packing)}
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}

@@ -1,7 +1,7 @@
 """Parquet sources (``data.source: parquet``): one chunk per row group, each row's
 ``sample_id`` its position across the sorted files (``data.val_path``'s rows from
 `VAL_PATH_ID` on, so ids never collide across splits), its split by a hash of its file's
-name and its place in the file (`sources.split_keys`); the schema, columns and nulls
+name and its place in the file (`splits.split_keys`); the schema, columns and nulls
 checked before Ray starts (numpy and pyarrow only: no Ray, no torch)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from raytrain_platform.data.sources import DataInfo, SourceSpec, filesystem, split_key, split_keys, split_mask
+from raytrain_platform.data.specs import DataInfo, SourceSpec
+from raytrain_platform.data.splits import filesystem, split_key, split_keys, split_mask
 from raytrain_platform.errors import DataError
 
 if TYPE_CHECKING:

@@ -1,14 +1,13 @@
 """Ray Data pipelines for the sources: read -> cut/tokenize/generate -> split -> shard.
 
-Tokenized sources (jsonl, text with a tokenizer) are read in Ray Data's CPU tasks,
-which stream their windows a chunk at a time: the training loop only receives int32
-token windows and their loss masks. A task maps the windows the driver's count pass
-kept in the token cache (`pieces.piece_windows`, `data.window_cache`), or tokenizes and
-packs the piece where no entry holds them. There is one task per piece (a .jsonl file,
-or a group of text files), except for a train split dealt to several workers: there
-one task reads the pieces in order and yields one micro-batch per block. Their
-validation split is only what evaluation reads (its first `run.eval_batches`
-micro-batches per rank), read on the driver into one in-memory block.
+Tokenized sources (jsonl, text with a tokenizer) are read from the dataset the
+tokenizing pass wrote (`tokenize_pass.py`): Ray Data's read tasks stream its Parquet
+windows a chunk at a time, and the training loop only receives int32 token windows and
+their loss masks. There is one task per piece (a .jsonl file, or a group of text
+files), except for a train split dealt to several workers: there one task reads the
+pieces in order and yields one micro-batch per block. Their validation split is only
+what evaluation reads (its first `run.eval_batches` micro-batches per rank), read on
+the driver into one in-memory block.
 
 Ordering is part of the contract. With ``preserve_order`` the pipeline yields
 samples in source order; for several workers it is cut into blocks of exactly one
@@ -28,8 +27,8 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from raytrain_platform.data import jsonl, parquet, sources
 from raytrain_platform.compat.ray_private import limit_streaming_blocks
+from raytrain_platform.data import parquet, raw, sources
 from raytrain_platform.data.sources import DataInfo, SourceSpec
 from raytrain_platform.parallel.dims import ParallelDims
 
@@ -41,6 +40,9 @@ if TYPE_CHECKING:
 __all__ = ["build_datasets", "ingest_options", "parquet_dataset"]
 
 _ROWS_PER_READ = 16_384  # rows of Parquet one read task turns into one block
+# Windows per block a tokenized source's read task yields: about this many tokens, so
+# the first batch waits for one small read.
+_STREAM_TOKENS = 1 << 13
 # Blocks a tokenized source's task may produce ahead of the consumer. Ray Data's
 # default (a private DataContext setting) lets a streaming task run only 2 blocks
 # ahead, and a dealt train split's blocks are single micro-batches: every micro-batch
@@ -53,23 +55,22 @@ class _TextWindows:
         self.spec, self.split = spec, split
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        parts = [sources.text_windows(int(i), str(p), self.spec, self.split)
+        parts = [raw.text_windows(int(i), str(p), self.spec, self.split)
                  for i, p in zip(batch["file_index"], batch["path"])]
         return {k: np.concatenate([p[k] for p in parts]) for k in ("tokens", "sample_id")}
 
 
 class _TokenWindows:
-    """A read task over one or more pieces in order: their windows (mapped from the
-    token cache, or tokenized as they are read), yielded in chunks of exactly `rows`
-    windows (the last may hold fewer), across piece ends."""
+    """A read task over one or more pieces of the tokenized dataset in order: their
+    windows, yielded in chunks of exactly `rows` windows (the last may hold fewer),
+    across piece ends."""
 
-    def __init__(self, spec: SourceSpec, split: str, pieces: list[tuple[str, ...]], rows: int):
-        self.spec, self.split, self.pieces, self.rows = spec, split, pieces, rows
+    def __init__(self, spec: SourceSpec, split: str, rows: int):
+        self.spec, self.split, self.rows = spec, split, rows
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         chunks = (chunk for i in batch["index"]
-                  for chunk in sources.token_windows(int(i), self.pieces[int(i)], self.spec, self.split,
-                                                     rows=self.rows))
+                  for chunk in sources.token_windows(int(i), self.spec, self.split, rows=self.rows))
         yield from sources.rebatch(chunks, self.rows, tail=True)
 
 
@@ -109,16 +110,16 @@ def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
                     rows: int | None = None, one_task: bool = False) -> "ray.data.Dataset":
     """The source's `split`, in source order. A tokenized source streams: its read tasks
     (one per piece, or with `one_task` a single one over all pieces in order) yield
-    blocks of exactly `rows` windows (default `jsonl.stream_rows`; each task's last
-    block may hold fewer) as they tokenize."""
+    blocks of exactly `rows` windows (default about `_STREAM_TOKENS` tokens; each
+    task's last block may hold fewer) as they read."""
     import ray.data
 
     if spec.tokenized:
-        pieces = sources.token_pieces(spec)
-        rows = rows or jsonl.stream_rows(spec.seq_len)
+        pieces = sources.token_pieces(spec, split)
+        rows = rows or max(1, _STREAM_TOKENS // spec.seq_len)
         tasks = 1 if one_task else len(pieces)
-        indices = ray.data.from_items([{"index": i} for i in range(len(pieces))], override_num_blocks=tasks)
-        ds = indices.map_batches(_TokenWindows(spec, split, pieces, rows), batch_size=None if one_task else 1,
+        indices = ray.data.from_items([{"index": i} for i in pieces], override_num_blocks=tasks)
+        ds = indices.map_batches(_TokenWindows(spec, split, rows), batch_size=None if one_task else 1,
                                  batch_format="numpy")
         # Each chunk a task yields becomes a block at once, so a consumer waits for one
         # chunk, not a whole file. Ray Data's output buffer (a public setting) cuts a
@@ -128,12 +129,12 @@ def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
         limit_streaming_blocks(ds.context, _TOKEN_BLOCKS_AHEAD)
         return ds
     if spec.kind == "text":
-        files = sources.text_files(spec)
+        files = sources.text_files(spec.path, spec.glob, spec.max_files)
         items = [{"file_index": i, "path": p} for i, (p, _) in enumerate(files)]
         ds = ray.data.from_items(items, override_num_blocks=min(len(items), 64))
         return ds.map_batches(_TextWindows(spec, split), batch_size=16, batch_format="numpy")
     if spec.kind == "synthetic":
-        ids = sources.synthetic_ids(spec, split)
+        ids = raw.synthetic_ids(spec, split)
         rate = spec.max_read_rows_per_s
         if not rate:
             ds = ray.data.from_numpy(ids).rename_columns({"data": "id"})
@@ -182,7 +183,7 @@ def _eval_dataset(spec: SourceSpec, cfg: "JobConfig", info: DataInfo) -> "ray.da
 
 def build_datasets(cfg: "JobConfig", info: DataInfo) -> dict[str, "ray.data.Dataset"]:
     """{"train": ..., "val": ...} Ray Datasets for the config; val only if it has rows."""
-    spec = SourceSpec.from_config(cfg)
+    spec = SourceSpec.from_config(cfg, prepared=info.prepared)
     world, batch = cfg.scaling.num_workers, cfg.data.micro_batch
     out = {}
     for split, rows in (("train", info.num_train), ("val", info.num_val)):

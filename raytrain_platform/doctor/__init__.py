@@ -173,7 +173,7 @@ def doctor(config: Any, overrides: list[str] | None = None, *, workers: list[int
         init_ray(address, verbose=False)
         prepare(cfg, hardware=cluster_hardware(cfg))
     else:
-        prepare(cfg)  # everything validated before Ray starts
+        prepare(cfg, start_ray=lambda: init_ray(address, verbose=False))  # validated before Ray starts
         init_ray(address, verbose=False)
     import ray
 

@@ -17,7 +17,7 @@ from typing import Iterator
 
 from raytrain_platform.compat.ray_private import JOB_CONFIG_ENV
 
-__all__ = ["DRIVER_ENV", "JOB_ENV", "RAY_ENV", "TRAIN_WORKER_ENV", "cache_env", "driver_runtime_env", "init_ray",
+__all__ = ["DRIVER_ENV", "JOB_ENV", "RAY_ENV", "TRAIN_WORKER_ENV", "driver_runtime_env", "init_ray",
            "temporary_env", "warn_if_inside_the_jobs_copy"]
 
 RAY_ENV = {
@@ -35,22 +35,10 @@ RAY_ENV = {
 # read tasks (still at 15), so ingest uses CPU the step leaves idle rather than taking
 # turns with it (benchmarks/train_vs_loop.py measures the effect).
 TRAIN_WORKER_ENV = {"RAY_worker_niceness": "0"}
-DRIVER_ENV = dict(RAY_ENV)  # the driver's own (its count pass tokenizes on every core)
-# Every process of the job. A read task that tokenizes does it on its one CPU: a fast
+DRIVER_ENV = dict(RAY_ENV)  # the driver's own
+# Every process of the job. A task of the tokenizing pass works on its one CPU: a fast
 # tokenizer would spread each batch of documents over every core, beside the workers.
 JOB_ENV = {**RAY_ENV, "TOKENIZERS_PARALLELISM": "false"}
-
-
-def cache_env() -> dict[str, str]:
-    """The driver's token cache folder (`data/token_cache.py`, ``RTP_CACHE_DIR``; absolute, as
-    Ray's processes start elsewhere; empty: none) and its limit (``RTP_CACHE_MAX_SIZE``)
-    for the job's processes, where it set them: read tasks find the windows its count
-    pass kept, and keep the cache within the same limit."""
-    from raytrain_platform.data.token_cache import CACHE_ENV, MAX_SIZE_ENV
-
-    value, limit = os.environ.get(CACHE_ENV), os.environ.get(MAX_SIZE_ENV)
-    return {**({} if value is None else {CACHE_ENV: os.path.abspath(value) if value else ""}),
-            **({} if limit is None else {MAX_SIZE_ENV: limit})}
 
 
 def init_ray(address: str | None, verbose: bool, *, env_vars: dict[str, str] | None = None) -> None:
@@ -74,10 +62,10 @@ def init_ray(address: str | None, verbose: bool, *, env_vars: dict[str, str] | N
 
 def driver_runtime_env(env_vars: dict[str, str] | None = None) -> dict:
     """The runtime_env `init_ray` gives the job's processes: `env_vars` (default
-    `JOB_ENV`) and the token cache's, less any a submitted job's own runtime_env sets
+    `JOB_ENV`), less any a submitted job's own runtime_env sets
     (Ray refuses a driver's runtime_env that sets one of them again; the user's value
     stands)."""
-    ours = {**(JOB_ENV if env_vars is None else env_vars), **cache_env()}
+    ours = dict(JOB_ENV if env_vars is None else env_vars)
     theirs = _submitted_env_vars()
     return {"env_vars": {k: v for k, v in ours.items() if k not in theirs}}
 

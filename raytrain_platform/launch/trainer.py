@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 from raytrain_platform.config import load_config
 from raytrain_platform.launch.progress import progress_poller, tail_progress
 from raytrain_platform.launch.resources import check_cpu_headroom, cluster_hardware, tp_label_selector
-from raytrain_platform.launch.session import (RAY_ENV, TRAIN_WORKER_ENV, cache_env, init_ray,
+from raytrain_platform.launch.session import (RAY_ENV, TRAIN_WORKER_ENV, init_ray,
                                               warn_if_inside_the_jobs_copy)
 from raytrain_platform.plan.auto import Hardware, has_auto
 from raytrain_platform.parallel.dims import ParallelDims
@@ -48,9 +48,12 @@ class TrainResult:
 
 
 def prepare(config: Any, overrides: list[str] | None = None,
-            hardware: "Hardware | None" = None) -> ResolvedJob:
+            hardware: "Hardware | None" = None, *, start_ray: Callable[[], None] | None = None) -> ResolvedJob:
     """Load, validate and resolve: everything that can fail before Ray starts. ``auto``
-    fields are decided on `hardware` (default: this machine; see `cluster_hardware`)."""
+    fields are decided on `hardware` (default: this machine; see `cluster_hardware`).
+    A tokenized source not tokenized before is tokenized on Ray, which `start_ray`
+    starts (or connects to) once every other check has passed; without it, on the Ray
+    this process is connected to, else here (data/tokenize_pass.py)."""
     cfg = load_config(config, overrides)
     # Ray workers and Ray Data tasks do not share the driver's working directory:
     # local paths are made absolute here, URIs are left as they are.
@@ -60,7 +63,7 @@ def prepare(config: Any, overrides: list[str] | None = None,
                        for key, value in local_paths.items() if value and "://" not in value})
     check_storage(cfg.run.storage_path)
     warn_if_inside_the_jobs_copy(cfg.run.storage_path)
-    return resolve_job(cfg, hardware)
+    return resolve_job(cfg, hardware, start_ray=start_ray)
 
 
 def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequence[Any] = (),
@@ -95,7 +98,7 @@ def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequen
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         failure_config=FailureConfig(max_failures=cfg.run.max_failures),
         callbacks=list(callbacks),
-        worker_runtime_env={"env_vars": {**RAY_ENV, **TRAIN_WORKER_ENV, **cache_env()}})
+        worker_runtime_env={"env_vars": {**RAY_ENV, **TRAIN_WORKER_ENV}})
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job.to_dict(),
@@ -125,8 +128,8 @@ def train(config: Any, overrides: list[str] | None = None, *, address: str | Non
     if has_auto(cfg):  # decided against the cluster it will run on
         init_ray(address, verbose)
         job = prepare(cfg, hardware=cluster_hardware(cfg))
-    else:
-        job = prepare(cfg)
+    else:  # Ray starts once every check has passed (to tokenize, where the data needs it)
+        job = prepare(cfg, start_ray=lambda: init_ray(address, verbose))
         init_ray(address, verbose)
     emit(job.config.summary())
     for note in (*job.notes, *job.warnings):

@@ -58,10 +58,12 @@ def objective(metric: str, mode: str | None) -> tuple[str, str]:
 
 def plan_trials(base: JobConfig, axes: list[Axis], *, num_samples: int, seed: int,
                 runs_dir: str, metric: str,
-                hardware: Callable[[JobConfig], Hardware] | None = None) -> list[PlannedTrial]:
+                hardware: Callable[[JobConfig], Hardware] | None = None,
+                start_ray: Callable[[], None] | None = None) -> list[PlannedTrial]:
     """Every trial's config, validated (data included) as `rtp train` would; a trial
     that cannot run carries its one-line reason instead. A trial's `auto` fields are
-    decided on `hardware(config)` (the sweep's: the cluster's), else on this machine."""
+    decided on `hardware(config)` (the sweep's: the cluster's), else on this machine.
+    Data to tokenize is tokenized on the Ray `start_ray` starts (trainer.prepare)."""
     from raytrain_platform.launch.trainer import prepare
 
     trials = []
@@ -69,7 +71,8 @@ def plan_trials(base: JobConfig, axes: list[Axis], *, num_samples: int, seed: in
         name = f"trial_{i:03d}"
         try:
             cfg = base.replace({**params, "run.name": name, "run.storage_path": runs_dir})
-            job = prepare(cfg, hardware=hardware(cfg) if hardware is not None and has_auto(cfg) else None)
+            job = prepare(cfg, hardware=hardware(cfg) if hardware is not None and has_auto(cfg) else None,
+                          start_ray=start_ray)
         except UserError as exc:
             trials.append(PlannedTrial(name, params, None, 0, str(exc)))
             continue

@@ -253,11 +253,19 @@ def sweep(base_config: Any, space: dict, *, metric: str = "val_loss", mode: str 
     base = pin_tracking_uri(base, str(sweep_dir.parent))  # trials log beside their parent run
     trials = plan_trials(base, axes, num_samples=num_samples, seed=seed,
                          runs_dir=str(sweep_dir / "runs"), metric=metric,
-                         hardware=_cluster_hardware(address, verbose))
+                         hardware=_cluster_hardware(address, verbose), start_ray=_starter(address, verbose))
     emit = (lambda line: print(line, flush=True)) if progress else (lambda line: None)
     return _run(trials, axes, emit=emit, sweep_dir=sweep_dir, name=name, metric=metric, mode=mode,
                 scheduler=scheduler, max_concurrent=max_concurrent, base_storage=base_storage,
                 address=address, verbose=verbose, progress=progress, tracking=base.run)
+
+
+def _starter(address: str | None, verbose: bool) -> Callable[[], None]:
+    """Starts (or connects to) the sweep's Ray: where planning must tokenize the data, it
+    does so on the cluster (data/tokenize_pass.py), once for every trial."""
+    from raytrain_platform.launch.session import init_ray
+
+    return lambda: init_ray(address, verbose)
 
 
 def _cluster_hardware(address: str | None, verbose: bool) -> Callable[[JobConfig], Hardware]:

@@ -1,0 +1,143 @@
+"""What a reader needs, as plain picklable values shipped to Ray tasks: `SourceSpec`
+(a whole source, from the config), `TokenSpec` (what tokenizing and packing depend
+on) and `DataInfo` (what the driver knows before training starts). No I/O here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from raytrain_platform.data.splits import default_text_root
+from raytrain_platform.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raytrain_platform.config import JobConfig
+
+__all__ = ["FORMATS", "PACKINGS", "TOKENIZED_KINDS", "SourceSpec", "TokenSpec", "DataInfo", "split_by_file"]
+
+FORMATS = ("text", "prompt_completion", "chat")  # record formats (data/encode.py)
+PACKINGS = ("documents", "concat")  # how documents fill windows (data/packing.py)
+TOKENIZED_KINDS = ("jsonl",)  # sources that are always tokenized (text is, with a tokenizer)
+
+
+@dataclass(frozen=True)
+class TokenSpec:
+    """What a tokenized source's windows depend on: its records' format and field
+    names, the tokenizer, the window length, the split and the packing."""
+
+    path: str  # the source's root: a .jsonl file or a folder (recursive); local path or URI
+    format: str  # text | prompt_completion | chat
+    tokenizer: str  # local folder of a Hugging Face tokenizer
+    seq_len: int  # tokens per window, including the extra target token (context + 1)
+    val_fraction: float
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    packing: str = "concat"  # documents | concat (`packing.py`)
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ConfigError("data.format", self.format, f"one of {', '.join(FORMATS)}")
+        if self.packing not in PACKINGS:
+            raise ConfigError("data.packing", self.packing, f"one of {', '.join(PACKINGS)}")
+        if not (isinstance(self.seq_len, int) and self.seq_len >= 2):
+            raise ConfigError("data.seq_len", self.seq_len, "an integer >= 2 (context + 1)")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError("data.val_fraction", self.val_fraction, "a number in [0, 1)")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Everything a reader needs, as plain picklable values (shipped to Ray tasks)."""
+
+    kind: str  # text | synthetic | parquet | jsonl
+    task: str  # lm | classification | regression
+    val_fraction: float
+    seq_len: int = 0  # lm: tokens per sample (data.seq_len + 1)
+    path: str | None = None
+    val_path: str | None = None
+    glob: str = "**/*.py"
+    max_files: int | None = None
+    num_samples: int = 0
+    num_features: int = 0
+    num_classes: int = 0
+    seed: int = 0
+    feature_columns: tuple[str, ...] = ()
+    label_column: str = "label"
+    max_read_rows_per_s: float | None = None  # a read task sleeps to stay under this rate
+    tokenizer: str | None = None  # text, jsonl: a local tokenizer folder (None: text as bytes)
+    format: str = "text"  # jsonl: text | prompt_completion | chat
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    packing: str = "concat"  # jsonl: documents | concat (`packing.py`)
+    cache_root: str | None = None  # tokenized: where the tokenized datasets are written (`prepared.py`)
+    prepared: str | None = None  # tokenized: the manifest of this source's tokenized dataset, once known
+
+    @classmethod
+    def from_config(cls, cfg: "JobConfig", *, prepared: str | None = None) -> "SourceSpec":
+        """The config's source; `prepared`: its tokenized dataset's manifest (`DataInfo.prepared`)."""
+        d, m, tokens = cfg.data, cfg.model, cfg.seq_len  # tokens: None unless lm (then required)
+        seq_len = tokens + 1 if tokens is not None else 0  # + 1: targets are inputs shifted by one
+        # The default text root resolved here, on the driver: every process then splits
+        # (and reads) the files the driver listed under the same root.
+        path = d.path if d.path or d.source != "text" else default_text_root()
+        return cls(kind=d.source, task=m.resolved_task, val_fraction=d.val_fraction, seq_len=seq_len,
+                   path=path, val_path=d.val_path, glob=d.glob, max_files=d.max_files,
+                   num_samples=d.num_samples, num_features=d.num_features,
+                   num_classes=d.num_classes, seed=d.seed,
+                   feature_columns=tuple(d.feature_columns or ()), label_column=d.label_column,
+                   max_read_rows_per_s=d.max_read_rows_per_s, tokenizer=d.tokenizer_for(m),
+                   format=d.format, text_field=d.text_field, prompt_field=d.prompt_field,
+                   completion_field=d.completion_field, messages_field=d.messages_field,
+                   packing=d.resolved_packing, cache_root=d.cache_root(cfg.run.storage_path),
+                   prepared=prepared)
+
+    @property
+    def tokenized(self) -> bool:
+        """jsonl, or text read through a tokenizer (token ids and a loss mask, not bytes)."""
+        return self.kind in TOKENIZED_KINDS or (self.kind == "text" and self.tokenizer is not None)
+
+    def token_spec(self) -> TokenSpec:
+        """What tokenizing and packing depend on (a tokenized source only)."""
+        assert self.tokenized and self.tokenizer, self
+        return TokenSpec(path=self.path or default_text_root(), tokenizer=self.tokenizer,
+                         format=self.format if self.kind != "text" else "text",
+                         seq_len=self.seq_len, val_fraction=self.val_fraction,
+                         text_field=self.text_field, prompt_field=self.prompt_field,
+                         completion_field=self.completion_field, messages_field=self.messages_field,
+                         packing=self.packing if self.kind != "text" else "concat")
+
+    def throttle(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Sleep as long as reading these rows takes at ``max_read_rows_per_s`` (no-op
+        without a limit): slow storage on demand, which `rtp doctor`'s tests rely on."""
+        if self.max_read_rows_per_s:
+            time.sleep(rows["sample_id"].shape[0] / self.max_read_rows_per_s)
+        return rows
+
+
+def split_by_file(spec: SourceSpec) -> bool:
+    """Whether `spec`'s validation split is dealt by `split_keys` (scheme 2): byte-level
+    text, Parquet without data.val_path and jsonl, with a validation split at all."""
+    by_file = spec.kind == "jsonl" or (spec.kind == "text" and not spec.tokenized) or (
+        spec.kind == "parquet" and not spec.val_path)
+    return by_file and spec.val_fraction > 0
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What the driver knows about the data before any training worker starts."""
+
+    num_train: int
+    num_val: int
+    num_features: int = 0  # tabular
+    num_classes: int = 0  # classification
+    feature_columns: tuple[str, ...] = ()
+    truncated: int = 0  # data.packing documents: documents longer than a window, cut to it
+    prepared: str | None = None  # tokenized: the manifest of the tokenized dataset (`prepared.py`)
