@@ -1,10 +1,8 @@
-import atexit
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -13,11 +11,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
-# The driver's token-count cache (data/token_cache.py): a fresh one for this session, in
-# every process it starts, never the user's ~/.cache.
-os.environ["RTP_CACHE_DIR"] = tempfile.mkdtemp(prefix="rtp-test-cache-")
-atexit.register(shutil.rmtree, os.environ["RTP_CACHE_DIR"], True)
-os.environ.pop("RTP_CACHE_MAX_SIZE", None)  # its default, whatever the shell sets
 
 
 def job_config(tmp: Path, name: str, own: dict, **sections) -> dict:

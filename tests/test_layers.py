@@ -172,13 +172,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# data/ is rebuilt by the data-at-scale issue (#48), which brings it under both rules below;
-# until then its modules are left out of them.
-_PENDING = ("raytrain_platform.data.",)
-
-
 def test_no_import_cycle_between_modules():
-    cycles = [c for c in _cycles(_module_graph()) if not all(m.startswith(_PENDING) for m in c)]
+    cycles = _cycles(_module_graph())
     assert not cycles, "modules importing each other (in a circle):\n" + "\n".join(map(str, cycles))
 
 
@@ -196,7 +191,7 @@ def test_no_private_name_is_imported_from_another_module():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("raytrain_platform"):
                 names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
-                if names and not here.startswith(_PENDING):
+                if names:
                     hits.append(f"{path.relative_to(PKG.parent)}:{node.lineno} imports {names} from {node.module}")
     assert not hits, "private names imported from another module:\n" + "\n".join(hits)
 
@@ -214,3 +209,34 @@ def test_nothing_outside_models_tests_a_model_name():
             if _NAME_TEST.search(code) or re.search(r"""\(\s*["']gpt["']\s*,\s*["']mlp["']\s*\)""", code):
                 hits.append(f"{path.relative_to(PKG.parent)}:{i}: {line.strip()}")
     assert not hits, "model names tested outside models/ (ask the family instead):\n" + "\n".join(hits)
+
+
+# data/ in one direction, top to bottom (data/sources.py says why each module sits where it does).
+DATA_LAYERS: list[set[str]] = [
+    {"ray_data", "local"},  # Ray Data pipelines; the Ray-free torchrun reader
+    {"dealing", "generate"},  # who reads which micro-batch; `rtp make-data`
+    {"sources"},  # the front door
+    {"tokenize_pass"},  # the pass that writes a tokenized dataset
+    {"prepared"},  # a written dataset: key, manifest, windows
+    {"pieces"},  # a tokenized source in pieces and blocks
+    {"jsonl", "text_groups", "parquet", "raw"},  # one reader per source
+    {"encode", "packing"},  # tokenizing records, packing documents
+    {"specs"},  # plain specs
+    {"splits"},  # file systems, the split's rules
+    {"__init__"},
+]
+
+
+def test_data_imports_point_down_only():
+    rank = {m: i for i, layer in enumerate(DATA_LAYERS) for m in layer}
+    wrong = []
+    for path in sorted((PKG / "data").glob("*.py")):
+        here = path.stem
+        assert here in rank, f"data/{path.name} is not placed in DATA_LAYERS (tests/test_layers.py)"
+        for module, line in _imports(path):
+            parts = module.split(".")
+            if parts[:2] != ["raytrain_platform", "data"] or len(parts) < 3:
+                continue
+            if rank[parts[2]] < rank[here]:
+                wrong.append(f"data/{path.name}:{line} imports data.{parts[2]}, a layer above it")
+    assert not wrong, "\n".join(wrong)

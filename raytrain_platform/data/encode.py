@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from raytrain_platform.data.specs import TokenSpec
 
 __all__ = ["ENCODE_BATCH", "ENCODE_CHARS", "RecordError", "load_tokenizer", "folder_state", "check_record",
-           "encode_records", "encode_record", "text_documents", "encodeencode_batches"]
+           "encode_records", "encode_record", "text_documents", "encode_batches", "check_fits"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 

@@ -132,6 +132,7 @@ class Manifest:
     def write(self) -> str:
         """Writes manifest.json (last: it marks the dataset whole); returns its path."""
         fs, local = filesystem(join(self.dir, MANIFEST))
+        fs.create_dir(local.rsplit("/", 1)[0], recursive=True)
         tmp = local + f".tmp-{uuid.uuid4().hex}"
         with fs.open_output_stream(tmp) as f:
             f.write(json.dumps(self.content, indent=1).encode())
