@@ -39,7 +39,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
@@ -49,18 +48,17 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raytrain_platform.data.jsonl import JsonlSpec, iter_windows  # noqa: E402
+from raytrain_platform.data.sources import SourceSpec, local_windows  # noqa: E402
 
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index
 
 
 def packed_windows(data: str, tokenizer: str, seq_len: int) -> TensorDataset:
     """The platform's windows of the chat JSONL: (n, seq_len + 1) token ids and loss masks."""
-    spec = JsonlSpec(path=data, format="chat", tokenizer=tokenizer, seq_len=seq_len + 1, val_fraction=0.0)
-    parts = list(iter_windows(spec, "train"))
-    tokens = np.concatenate([p["tokens"] for p in parts])
-    mask = np.concatenate([p["loss_mask"] for p in parts])
-    return TensorDataset(torch.from_numpy(tokens).long(), torch.from_numpy(mask))
+    spec = SourceSpec(kind="jsonl", task="lm", path=data, format="chat", tokenizer=tokenizer, seq_len=seq_len + 1,
+                      val_fraction=0.0, packing="concat", cache_root=str(Path(data).parent / "datasets"))
+    windows = local_windows(spec, "train")  # the ranks take turns: the first writes them
+    return TensorDataset(torch.from_numpy(windows["tokens"]).long(), torch.from_numpy(windows["loss_mask"]))
 
 
 def lm_loss(model, tokens: torch.Tensor, loss_mask: torch.Tensor, accelerator) -> torch.Tensor:

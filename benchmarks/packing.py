@@ -41,15 +41,20 @@ SIZES = {
 
 def padding(llm: dict, context: int) -> dict:
     """Padding share of our documents windows and of TRL's best-fit rows, `context` + 1 tokens each."""
-    from raytrain_platform.data.jsonl import JsonlSpec, encode_record, jsonl_windows, load_tokenizer
+    import dataclasses
 
-    spec = JsonlSpec(path=str(llm["chat"]), format="chat", tokenizer=str(llm["tokenizer"]), seq_len=context + 1,
-                     val_fraction=0.0, packing="documents")
+    from raytrain_platform.data.encode import encode_record, load_tokenizer
+    from raytrain_platform.data.sources import SourceSpec, local_windows
+
+    spec = SourceSpec(kind="jsonl", task="lm", path=str(llm["chat"]), format="chat", tokenizer=str(llm["tokenizer"]),
+                      seq_len=context + 1, val_fraction=0.0, packing="documents",
+                      cache_root=str(Path(llm["chat"]).parent / "datasets"))
     tok = load_tokenizer(spec.tokenizer, need_chat_template=True)
-    docs = [encode_record(tok, json.loads(line), spec)[0] for line in Path(spec.path).read_text().splitlines()]
+    docs = [encode_record(tok, json.loads(line), spec.token_spec())[0]
+            for line in Path(spec.path).read_text().splitlines()]
     kept = sum(min(len(d), spec.seq_len) for d in docs)
-    ours = len(jsonl_windows(0, spec.path, spec, "train")["sample_id"])
-    concat = len(jsonl_windows(0, spec.path, JsonlSpec(**{**spec.__dict__, "packing": "concat"}), "train")["sample_id"])
+    ours = len(local_windows(spec, "train")["sample_id"])
+    concat = len(local_windows(dataclasses.replace(spec, packing="concat"), "train")["sample_id"])
     out = {"window_tokens": spec.seq_len, "documents": len(docs), "truncated": sum(len(d) > spec.seq_len for d in docs),
            "ours_windows": ours, "ours_padding": round(1 - kept / (ours * spec.seq_len), 4), "concat_windows": concat}
     try:
@@ -175,7 +180,6 @@ def main(argv: list[str] | None = None) -> int:
               "job": f"tiny_llm llama {size['layers']} layers x d {size['hidden']}, chat JSONL, seq {size['seq_len']}, "
                      f"micro-batch {size['batch']}, fp32, sdpa, 1 process, 1 thread"}
     with tempfile.TemporaryDirectory(prefix="rtp-packing-") as tmp:
-        os.environ.setdefault("RTP_CACHE_DIR", str(Path(tmp) / "cache"))
         llm = make_all(Path(tmp) / "llm", samples=size["samples"], num_layers=size["layers"],
                        hidden_size=size["hidden"], num_heads=4, num_kv_heads=2, intermediate_size=2 * size["hidden"])
         result["padding"] = [padding(llm, w) for w in size["windows"]]

@@ -274,10 +274,6 @@ def measure(work: Path, *, smoke: bool, repeats: int | None = None, processes: l
     repeats = repeats or size["repeats"]
     processes = processes or size["processes"]
     os.environ.update(OFFLINE_ENV)
-    # The token cache (counts, windows) in the temporary folder: the first run's count
-    # pass tokenizes before its steps and every run's steps read those windows, as the
-    # Accelerate script tokenizes before its timed loop; ~/.cache is left alone.
-    os.environ["RTP_CACHE_DIR"] = str(work / "token-cache")
     llm = make_llm(llm_dir or work / "tiny-llm", size)
     sides = {}
     for n in processes:

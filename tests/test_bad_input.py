@@ -46,7 +46,6 @@ def _one_line_exit_2(argv: list[str], capsys, needle: str) -> None:
     (["export"], "the following arguments are required: path (see rtp export --help)"),
     (["export", "r", "--format", "onnx"], "argument --format: invalid choice: 'onnx'"),
     (["make-data", "out", "--rows", "many"], "argument --rows: invalid int value: 'many'"),
-    (["cache", "--clear", "--max-size", "1GiB"], "argument --max-size: not allowed with argument --clear"),
     (["serve", "r", "--bogus"], "unrecognized arguments: --bogus (see rtp serve --help)"),
     (["doctor", "x.yaml", "--bogus"], "unrecognized arguments: --bogus (see rtp doctor --help)"),
     (["sweep"], "(see rtp sweep --help)"),
@@ -411,11 +410,10 @@ def test_a_path_pyarrow_cannot_read_names_its_field(tmp_path, capsys, field):
 
 
 def test_a_jsonl_uri_pyarrow_cannot_read_is_one_error():
-    from raytrain_platform.data.jsonl import JsonlSpec, jsonl_files
+    from raytrain_platform.data.jsonl import jsonl_files
 
-    spec = JsonlSpec(path="nope://bucket/x", format="text", tokenizer="unused", seq_len=9, val_fraction=0.0)
     with pytest.raises(DataError, match=r"^data.path = 'nope://bucket/x': not a readable path or filesystem URI"):
-        jsonl_files(spec)
+        jsonl_files("nope://bucket/x")
 
 
 @pytest.mark.parametrize("argv", [["--config=pipelines/configs/quickstart.yaml"],
@@ -437,15 +435,6 @@ def test_a_job_entry_without_its_file_flag_names_it(capsys):
         assert job_entry("train", "--config", argv) == 2
         assert capsys.readouterr().err.strip() == ("error: the following arguments are required: --config FILE "
                                                     "(see rtp train --help, whose CONFIG it is)")
-
-
-def test_rtp_cache_refuses_a_cache_folder_that_is_a_file(tmp_path, monkeypatch, capsys):
-    """RTP_CACHE_DIR naming a file: `rtp cache` reported an empty cache, exit 0."""
-    (tmp_path / "f").write_text("not a folder")
-    monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "f"))
-    for argv in (["cache"], ["cache", "--clear"]):
-        _one_line_exit_2(argv, capsys, f"RTP_CACHE_DIR = '{tmp_path / 'f'}': expected a folder for the token cache")
-    assert (tmp_path / "f").read_text() == "not a folder"
 
 
 def test_resuming_a_checkpoint_of_the_earlier_split_says_so(copy):

@@ -49,14 +49,14 @@ def test_every_benchmark_is_in_the_readme_and_uses_public_names_only():
 def test_the_private_name_check_finds_each_form():
     """The check above on code that does each thing it forbids (and one it allows)."""
     code = ("from raytrain_platform.launch.worker import _as_tensors\n"
-            "from raytrain_platform.data import window_cache\n"
+            "from raytrain_platform.data import packing\n"
             "import raytrain_platform.tools.tiny_llm as t\n"
             "from raytrain_platform._compat import x\n"
             "from raytrain_platform.core.__main__ import main\n"
-            "window_cache._arrays(1)\nt._qa_pairs(3)\nt.make_model()\nother._fine()\n")
+            "packing._CONCAT_ARRAYS(1)\nt._qa_pairs(3)\nt.make_model()\nother._fine()\n")
     assert _private_names(ast.parse(code)) == [
         "raytrain_platform.launch.worker._as_tensors", "raytrain_platform._compat (module)",
-        "window_cache._arrays (line 6)", "t._qa_pairs (line 7)"]
+        "packing._CONCAT_ARRAYS (line 6)", "t._qa_pairs (line 7)"]
 
 
 def test_the_harness_writes_a_dated_page_and_compares_within_one_run(tmp_path, monkeypatch):

@@ -113,7 +113,7 @@ def test_ray_job_submit_trains_across_two_nodes(cluster, tmp_path):
     submit = subprocess.run(
         [str(BIN / "ray"), "job", "submit", "--address", cluster["dashboard"], "--submission-id", job_id,
          "--working-dir", str(ROOT), "--runtime-env-json",
-         json.dumps({"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RTP_CACHE_DIR": str(tmp_path / "cache")}}),
+         json.dumps({"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}}),
          "--", "python", "pipelines/train.py", "--config", "pipelines/configs/quickstart.yaml",
          "--set", f"run.storage_path={storage}", "--set", "train.max_steps=6",
          "--set", "run.eval_every=3", "--set", "run.checkpoint_every=3", "--set", "data.max_files=40",

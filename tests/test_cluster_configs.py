@@ -200,7 +200,7 @@ def test_dockerfile_matches_the_cluster():
 
 
 def test_a_submitted_jobs_own_env_vars_are_left_to_it(monkeypatch):
-    """`ray job submit --runtime-env-json '{"env_vars": {"RTP_CACHE_DIR": ...}}'`: the
+    """`ray job submit --runtime-env-json '{"env_vars": {"TOKENIZERS_PARALLELISM": ...}}'`: the
     driver's runtime_env set the same variables again, and Ray's merge (run here as
     `ray.init` runs it inside a job) refused the pair, so the job failed."""
     import json
@@ -210,14 +210,13 @@ def test_a_submitted_jobs_own_env_vars_are_left_to_it(monkeypatch):
 
     from raytrain_platform.launch.session import JOB_ENV, driver_runtime_env
 
-    monkeypatch.setenv("RTP_CACHE_DIR", "/tmp/driver-cache")
-    job = {"working_dir": ".", "env_vars": {"RTP_CACHE_DIR": "/mnt/shared/cache", "TOKENIZERS_PARALLELISM": "true"}}
+    job = {"working_dir": ".", "env_vars": {"RAY_DATA_DISABLE_PROGRESS_BARS": "0", "TOKENIZERS_PARALLELISM": "true"}}
     monkeypatch.setenv(RAY_JOB_CONFIG_JSON_ENV_VAR, json.dumps({"runtime_env": job}))
     merged = _merge_runtime_env(job, driver_runtime_env())
     assert merged is not None
     assert merged["env_vars"] == {**JOB_ENV, **job["env_vars"]}  # the user's values stand
     monkeypatch.delenv(RAY_JOB_CONFIG_JSON_ENV_VAR)  # outside a job: every variable of the driver's
-    assert driver_runtime_env() == {"env_vars": {**JOB_ENV, "RTP_CACHE_DIR": "/tmp/driver-cache"}}
+    assert driver_runtime_env() == {"env_vars": JOB_ENV}
 
 
 def test_local_cluster_makes_the_token_a_fresh_machine_lacks(tmp_path):

@@ -82,7 +82,7 @@ def split_rows(spec: sources.SourceSpec, split: str) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("fmt", ["chat", "prompt_completion", "text"])
 def test_describe_counts_what_the_reader_yields(tiny, tmp_path, fmt):
     job = resolve_job(load_config(hf_config(tmp_path, "d", tiny, data={"path": str(tiny[fmt]), "format": fmt})))
-    spec = sources.SourceSpec.from_config(job.config)
+    spec = sources.SourceSpec.from_config(job.config, prepared=job.data.prepared)
     train, val = split_rows(spec, "train"), split_rows(spec, "val")
     assert (len(train["sample_id"]), len(val["sample_id"])) == (job.data.num_train, job.data.num_val)
     assert job.data.num_train > 100 and job.data.num_val > 5
@@ -128,7 +128,7 @@ def test_text_folder_through_the_tokenizer_packs_files_with_eos(tiny, tok, tmp_p
     data = {"source": "text", "path": str(folder), "glob": "**/*.txt", "format": "text",
             "val_fraction": 0.0}
     job = resolve_job(load_config(hf_config(tmp_path, "t", tiny, data=data)))
-    rows = split_rows(sources.SourceSpec.from_config(job.config), "train")
+    rows = split_rows(sources.SourceSpec.from_config(job.config, prepared=job.data.prepared), "train")
     assert rows["tokens"].dtype == np.int32 and len(rows["sample_id"]) == job.data.num_train > 20
     assert (rows["loss_mask"] == 1).all() and not job.data.num_val
     # Windows concatenated are the files in order, each ended by EOS, inside windows too.
@@ -140,30 +140,26 @@ def test_text_folder_through_the_tokenizer_packs_files_with_eos(tiny, tok, tmp_p
     assert texts[-1].startswith(tok.decode(docs[-1]))  # the tail of the last file is dropped
     # With a held-out share: exact counts, disjoint ids.
     job = resolve_job(load_config(hf_config(tmp_path, "t", tiny, data={**data, "val_fraction": 0.2})))
-    spec = sources.SourceSpec.from_config(job.config)
+    spec = sources.SourceSpec.from_config(job.config, prepared=job.data.prepared)
     train, val = split_rows(spec, "train"), split_rows(spec, "val")
     assert (len(train["sample_id"]), len(val["sample_id"])) == (job.data.num_train, job.data.num_val)
     assert not set(train["sample_id"]) & set(val["sample_id"]) and job.data.num_val > 0
 
 
-def test_text_groups_stream_in_chunks_of_the_same_windows(tiny, tmp_path):
-    """A text group's task yields its windows a chunk at a time (the other split's left
-    out of each chunk): any chunk size, the same windows as the whole group."""
-    from raytrain_platform.data import text_groups
-
+def test_text_groups_read_in_chunks_of_the_same_windows(tiny, tmp_path):
+    """A text group's windows read a chunk at a time: any chunk size, the same windows."""
     folder, _ = _text_folder(tmp_path)
     data = {"source": "text", "path": str(folder), "glob": "**/*.txt", "format": "text", "val_fraction": 0.2}
     job = resolve_job(load_config(hf_config(tmp_path, "g", tiny, data=data)))
-    spec = sources.SourceSpec.from_config(job.config)
-    (paths,) = sources.token_pieces(spec)
+    spec = sources.SourceSpec.from_config(job.config, prepared=job.data.prepared)
     for split in ("train", "val"):
-        whole = text_groups.text_group_windows(0, paths, spec.token_spec(), split)
+        (piece,) = sources.token_pieces(spec, split)
+        whole = split_rows(spec, split)
         for rows in (3, 10_000):
-            chunks = list(text_groups.stream_text_group_windows(0, paths, spec.token_spec(), split, rows=rows))
+            chunks = list(sources.token_windows(piece, spec, split, rows=rows))
             assert len(chunks) > (rows == 3) and all(0 < len(c["sample_id"]) <= rows for c in chunks)
             for key in whole:
-                joined = np.concatenate([c[key] for c in chunks])
-                assert np.array_equal(joined, whole[key]), (split, rows, key)
+                assert np.array_equal(np.concatenate([c[key] for c in chunks]), whole[key]), (split, rows, key)
 
 
 def test_text_without_a_tokenizer_stays_bytes(tiny, tmp_path):
@@ -171,7 +167,7 @@ def test_text_without_a_tokenizer_stays_bytes(tiny, tmp_path):
     data = {"source": "text", "path": str(folder), "glob": "**/*.txt", "format": "text",
             "tokenizer": None, "val_fraction": 0.0}
     job = resolve_job(load_config(hf_config(tmp_path, "b", tiny, data=data)))
-    rows = split_rows(sources.SourceSpec.from_config(job.config), "train")
+    rows = split_rows(sources.SourceSpec.from_config(job.config, prepared=job.data.prepared), "train")
     assert set(rows) == {"tokens", "sample_id"} and rows["tokens"].dtype == np.uint8
     first = texts[0].encode()
     assert bytes(rows["tokens"][0]) == first[:65]
@@ -189,7 +185,7 @@ def test_an_hf_model_reads_text_with_its_own_tokenizer(tiny, tmp_path):
                                                  "format": "text", "tokenizer": None, "val_fraction": 0.0})
     cfg["model"] = {"name": "hf", "kwargs": {"path": str(tiny["model"])}}
     job = resolve_job(load_config(cfg))
-    spec = sources.SourceSpec.from_config(job.config)
+    spec = sources.SourceSpec.from_config(job.config, prepared=job.data.prepared)
     assert spec.tokenizer == str(tiny["model"]) and job.config.data.tokenizer is None
     assert split_rows(spec, "train")["tokens"].dtype == np.int32
 
@@ -315,7 +311,7 @@ def test_ray_data_tokenizes_the_same_windows_in_the_same_order(ray_cluster, tiny
     folder, _ = _text_folder(tmp_path)
     for data in ({}, {"source": "text", "path": str(folder), "glob": "**/*.txt", "format": "text"}):
         job = resolve_job(load_config(hf_config(tmp_path, "r", tiny, data=data, run={"eval_batches": 1})))
-        spec = sources.SourceSpec.from_config(job.config)
+        spec = sources.SourceSpec.from_config(job.config, prepared=job.data.prepared)
         assert job.data.num_val > 4  # so that the validation dataset is cut short
         datasets = build_datasets(job.config, job.data)
         assert set(datasets) == {"train", "val"} and isinstance(datasets["val"], MaterializedDataset)
@@ -336,13 +332,13 @@ def test_ray_data_tokenizes_the_same_windows_in_the_same_order(ray_cluster, tiny
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_ray_data_streams_each_chunk_as_its_own_block(ray_cluster, tiny, tmp_path):
-    """A tokenizing task's chunks reach the consumer as blocks of their own, in order,
+    """A read task's chunks reach the consumer as blocks of their own, in order,
     not as one block per file after the whole file: a consumer waits for one chunk.
     With one task over several files (a dealt train split: one micro-batch per block)
     the chunks stay exact across the files' ends. Ray Data cuts blocks by size;
     `_source_dataset` sets that size from the chunk (this fails if a Ray release cuts
     blocks another way)."""
-    from raytrain_platform.data import jsonl
+    from raytrain_platform.data import ray_data
     from raytrain_platform.data.ray_data import _source_dataset, ingest_options
 
     lines = tiny["chat"].read_text().splitlines()
@@ -352,39 +348,15 @@ def test_ray_data_streams_each_chunk_as_its_own_block(ray_cluster, tiny, tmp_pat
     for path, rows, one_task in ((tiny["chat"], 5, False), (tiny["chat"], None, False),
                                  (tmp_path / "parts", 3, True)):
         job = resolve_job(load_config(hf_config(tmp_path, "s", tiny, data={"path": str(path)})))
-        spec = sources.SourceSpec.from_config(job.config)
+        spec = sources.SourceSpec.from_config(job.config, prepared=job.data.prepared)
         ds = _source_dataset(spec, "train", (), rows=rows, one_task=one_task)
         ds.context.execution_options = ingest_options()
         blocks = [b["sample_id"] for b in ds.iter_batches(batch_size=None, batch_format="numpy")]
-        per = rows or jsonl.stream_rows(spec.seq_len)
+        per = rows or max(1, ray_data.STREAM_TOKENS // spec.seq_len)
         sizes = [len(b) for b in blocks]
         assert len(sizes) >= 3 and sizes[:-1] == [per] * (len(sizes) - 1) and 0 < sizes[-1] <= per, sizes
         assert np.array_equal(np.concatenate(blocks), split_rows(spec, "train")["sample_id"])
         assert one_task == (len(set(np.concatenate(blocks) >> 32)) == 3)
-
-
-@pytest.mark.ray
-def test_a_ray_actor_counts_in_its_own_process(ray_cluster):
-    """`data.tokenize_processes: auto` starts no worker processes inside a Ray actor (a
-    sweep's trial that counts its data again): Ray gave the actor its CPUs. The driver
-    would, for as much data."""
-    import ray
-
-    from raytrain_platform.data import pool
-
-    if pool.usable_cores() < 2:
-        pytest.skip("one core: the driver would count in its own process too")
-
-    @ray.remote(num_cpus=0)
-    class Counter:
-        def processes(self, todo: int) -> int:
-            return pool.count_processes("auto", todo)
-
-    actor = Counter.remote()
-    lots = 64 * pool.PARALLEL_MIN_BYTES
-    assert ray.get(actor.processes.remote(lots)) == 1
-    assert pool.count_processes("auto", lots) == min(pool.usable_cores(), 64 * pool.PARALLEL_MIN_BYTES // pool.BLOCK_BYTES)
-    ray.kill(actor)
 
 
 @pytest.mark.ray

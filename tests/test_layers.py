@@ -135,7 +135,6 @@ def _module_graph() -> dict[str, set[str]]:
 
     graph: dict[str, set[str]] = {}
     for path in PKG.rglob("*.py"):
-        here = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
         graph[here] = {t for t in (resolve(m) for m, _ in _imports(path)) if t and t != here}
     return graph
 
@@ -187,7 +186,6 @@ def test_no_private_name_is_imported_from_another_module():
     wants a public name (or the code in the right place)."""
     hits = []
     for path in sorted(PKG.rglob("*.py")):
-        here = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("raytrain_platform"):
                 names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]

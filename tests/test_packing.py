@@ -5,6 +5,7 @@ made on the spot (tools/tiny_llm, tests/hf_archs.py); in-process, no Ray, no hub
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -25,9 +26,9 @@ import yaml  # noqa: E402
 
 from raytrain_platform.cli import main as cli_main  # noqa: E402
 from raytrain_platform.config import load_config  # noqa: E402
-from raytrain_platform.data import pieces, sources  # noqa: E402
-from raytrain_platform.data.jsonl import JsonlSpec, encode_record, jsonl_windows, load_tokenizer  # noqa: E402
-from raytrain_platform.data.packing import DocumentPacker  # noqa: E402
+from raytrain_platform.data import sources  # noqa: E402
+from raytrain_platform.data.encode import encode_record, load_tokenizer  # noqa: E402
+from raytrain_platform.data.packing import DocumentPacker, joined  # noqa: E402
 from raytrain_platform.errors import ConfigError  # noqa: E402
 from raytrain_platform.models.tasks import get_task  # noqa: E402
 from raytrain_platform.resolve import resolve_job  # noqa: E402
@@ -43,9 +44,20 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     return {"tokenizer": out / "tok", **tiny_llm.make_instruction_jsonl(out / "data", n=120)}
 
 
-def spec_for(tiny: dict, fmt: str = "chat", **kw) -> JsonlSpec:
-    return JsonlSpec(**{"path": str(tiny[fmt]), "format": fmt, "tokenizer": str(tiny["tokenizer"]),
-                        "seq_len": SEQ_LEN, "val_fraction": 0.2, "packing": "documents", **kw})
+def spec_for(tiny: dict, fmt: str = "chat", **kw) -> sources.SourceSpec:
+    return sources.SourceSpec(**{"kind": "jsonl", "task": "lm", "path": str(tiny[fmt]), "format": fmt,
+                                 "tokenizer": str(tiny["tokenizer"]), "seq_len": SEQ_LEN, "val_fraction": 0.2,
+                                 "packing": "documents", "cache_root": str(tiny["tokenizer"].parent / "ds"), **kw})
+
+
+def ready(spec: sources.SourceSpec) -> sources.SourceSpec:
+    """`spec` with its tokenized dataset (written in this process)."""
+    return dataclasses.replace(spec, prepared=sources.describe(spec, on_ray=False).prepared)
+
+
+def jsonl_windows(spec: sources.SourceSpec, split: str) -> dict[str, np.ndarray]:
+    """The source's whole `split` as one batch."""
+    return joined(sources.iter_source(ready(spec), split), spec.seq_len, spec.packing)
 
 
 def documents_of(window: dict[str, np.ndarray], row: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -55,13 +67,12 @@ def documents_of(window: dict[str, np.ndarray], row: int) -> list[tuple[np.ndarr
     return [(window["tokens"][row, a:b], window["loss_mask"][row, a:b]) for a, b in zip(starts, starts[1:])]
 
 
-def test_documents_are_whole_apart_and_every_one_is_packed_once(tiny, monkeypatch, tmp_path):
-    monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
+def test_documents_are_whole_apart_and_every_one_is_packed_once(tiny):
     spec = spec_for(tiny)
     tok = load_tokenizer(spec.tokenizer, need_chat_template=True)
-    windows = {s: jsonl_windows(0, spec.path, spec, s) for s in ("train", "val")}
+    windows = {s: jsonl_windows(spec, s) for s in ("train", "val")}
     records = [json.loads(line) for line in Path(spec.path).read_text().splitlines()]
-    expected = sorted(tuple(encode_record(tok, r, spec)[0][:SEQ_LEN]) for r in records)
+    expected = sorted(tuple(encode_record(tok, r, spec.token_spec())[0][:SEQ_LEN]) for r in records)
     found, padding = [], 0
     for w in windows.values():
         assert w["position_ids"].dtype == np.int32 and w["tokens"].shape == w["position_ids"].shape
@@ -75,32 +86,25 @@ def test_documents_are_whole_apart_and_every_one_is_packed_once(tiny, monkeypatc
                     assert mask[0] == 0  # a document's first token is not predicted from another's
     # Every record (train and val) is in exactly one window, whole or cut to the window.
     assert sorted(found) == expected
-    truncated = sum(len(encode_record(tok, r, spec)[0]) > SEQ_LEN for r in records)
+    truncated = sum(len(encode_record(tok, r, spec.token_spec())[0]) > SEQ_LEN for r in records)
     assert truncated > 0
-    counted = pieces.count_packed(spec)
-    assert (counted.train, counted.val, counted.truncated) == (
+    counted = sources.describe(spec)
+    assert (counted.num_train, counted.num_val, counted.truncated) == (
         len(windows["train"]["sample_id"]), len(windows["val"]["sample_id"]), truncated)
     # Best-fit decreasing leaves little room: 6.3% padding measured on these 120 records,
     # most of it in each split's last windows (benchmarks/packing.py: larger sets).
     assert padding / sum(w["tokens"].size for w in windows.values()) < 0.08
 
 
-def test_the_windows_are_the_same_by_chunk_from_the_cache_and_from_the_count(tiny, monkeypatch, tmp_path):
-    monkeypatch.setenv("RTP_CACHE_DIR", str(tmp_path / "cache"))
-    spec = spec_for(tiny)
-    whole = jsonl_windows(0, spec.path, spec, "train")
+def test_the_windows_are_the_same_by_chunk(tiny):
+    spec = ready(spec_for(tiny))
+    whole = jsonl_windows(spec, "train")
     for rows in (1, 7):
-        chunks = list(pieces.piece_windows(0, (spec.path,), spec, "train", text=False, rows=rows))
+        chunks = list(sources.token_windows(0, spec, "train", rows=rows))
         assert all(len(c["sample_id"]) <= rows for c in chunks)
-        joined = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
-        assert joined.keys() == whole.keys() and all(np.array_equal(joined[k], whole[k]) for k in whole)
-    pieces.count_packed(spec)  # keeps the windows in the token cache, from blocks of documents
-    cache = tmp_path / "cache" / "token-windows"
-    assert any(p.name == "position_ids.bin" for p in cache.rglob("*.bin"))
-    held = list(pieces.piece_windows(0, (spec.path,), spec, "train", text=False))
-    joined = {k: np.concatenate([c[k] for c in held]) for k in held[0]}
-    assert all(np.array_equal(joined[k], whole[k]) for k in whole)
-    concat = jsonl_windows(0, spec.path, spec_for(tiny, packing="concat"), "train")
+        together = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
+        assert together.keys() == whole.keys() and all(np.array_equal(together[k], whole[k]) for k in whole)
+    concat = jsonl_windows(spec_for(tiny, packing="concat"), "train")
     assert "position_ids" not in concat and len(concat["sample_id"]) < len(whole["sample_id"])
 
 
@@ -146,7 +150,7 @@ def test_the_default_packing_and_its_refusals(tiny, tmp_path, monkeypatch, capsy
     assert cli_main(["validate", str(path)]) == 0
     assert (f"data.packing documents: whole documents in windows of 128 + 1 tokens; {job.data.truncated} longer "
             "than that, truncated") in capsys.readouterr().out
-    assert sources.SourceSpec.from_config(job.config).token_spec().packing == "documents"
+    assert sources.SourceSpec.from_config(job.config, prepared=job.data.prepared).token_spec().packing == "documents"
     for fmt, expected in (("text", "concat"), ("prompt_completion", "documents")):
         cfg = _config(tmp_path, tiny, LLAMA, format=fmt, path=str(tiny[fmt]))
         assert resolve_job(load_config(cfg)).config.data.packing == expected
@@ -202,7 +206,7 @@ def packed_windows(tiny: dict) -> dict[str, np.ndarray]:
     """Two windows of several documents each, and the last one (the most padding). Not
     the first: a document cut to the whole window, which gpt2's 256 positions cannot
     take alone (transformers' loss reads all its 257 tokens)."""
-    window = jsonl_windows(0, str(tiny["chat"]), spec_for(tiny, val_fraction=0.0), "train")
+    window = jsonl_windows(spec_for(tiny, val_fraction=0.0), "train")
     rows = [r for r in range(len(window["sample_id"])) if len(documents_of(window, r)) >= 3][:2] + [-1]
     window = {k: v[rows] for k, v in window.items()}
     assert window["tokens"][-1, -1] == window["tokens"][-1, -2]  # padded

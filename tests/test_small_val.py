@@ -50,7 +50,7 @@ def _manual_val_loss(job, model: torch.nn.Module) -> tuple[float, int]:
     from raytrain_platform.data.sources import SourceSpec
 
     loss_sum, count, windows = 0.0, 0, 0
-    for piece in sources.iter_source(SourceSpec.from_config(job.config), "val", ()):
+    for piece in sources.iter_source(SourceSpec.from_config(job.config, prepared=job.data.prepared), "val", ()):
         for tokens, mask in zip(piece["tokens"], piece["loss_mask"]):
             tokens, mask = torch.as_tensor(tokens).long(), torch.as_tensor(mask)
             with torch.no_grad():

@@ -48,7 +48,7 @@ _CONCAT_ARRAYS = ("tokens", "loss_mask", "sample_id")
 
 
 def window_arrays(packing: str) -> tuple[str, ...]:
-    """The arrays a window of `packing` has (what the token cache keeps of it).
+    """The arrays a window of `packing` has (what the tokenized dataset keeps of it).
 
     >>> window_arrays("concat"), window_arrays("documents")[-1]
     (('tokens', 'loss_mask', 'sample_id'), 'position_ids')

@@ -37,12 +37,12 @@ if TYPE_CHECKING:
 
     from raytrain_platform.config import JobConfig
 
-__all__ = ["build_datasets", "ingest_options", "parquet_dataset"]
+__all__ = ["STREAM_TOKENS", "build_datasets", "ingest_options", "parquet_dataset"]
 
 _ROWS_PER_READ = 16_384  # rows of Parquet one read task turns into one block
 # Windows per block a tokenized source's read task yields: about this many tokens, so
 # the first batch waits for one small read.
-_STREAM_TOKENS = 1 << 13
+STREAM_TOKENS = 1 << 13
 # Blocks a tokenized source's task may produce ahead of the consumer. Ray Data's
 # default (a private DataContext setting) lets a streaming task run only 2 blocks
 # ahead, and a dealt train split's blocks are single micro-batches: every micro-batch
@@ -110,13 +110,13 @@ def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
                     rows: int | None = None, one_task: bool = False) -> "ray.data.Dataset":
     """The source's `split`, in source order. A tokenized source streams: its read tasks
     (one per piece, or with `one_task` a single one over all pieces in order) yield
-    blocks of exactly `rows` windows (default about `_STREAM_TOKENS` tokens; each
+    blocks of exactly `rows` windows (default about `STREAM_TOKENS` tokens; each
     task's last block may hold fewer) as they read."""
     import ray.data
 
     if spec.tokenized:
         pieces = sources.token_pieces(spec, split)
-        rows = rows or max(1, _STREAM_TOKENS // spec.seq_len)
+        rows = rows or max(1, STREAM_TOKENS // spec.seq_len)
         tasks = 1 if one_task else len(pieces)
         indices = ray.data.from_items([{"index": i} for i in pieces], override_num_blocks=tasks)
         ds = indices.map_batches(_TokenWindows(spec, split, rows), batch_size=None if one_task else 1,
@@ -167,7 +167,7 @@ def parquet_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
 def _eval_dataset(spec: SourceSpec, cfg: "JobConfig", info: DataInfo) -> "ray.data.Dataset":
     """A tokenized validation split as evaluation reads it, once per attempt: its first
     `run.eval_batches` micro-batches per data-parallel rank, read here on the driver
-    (from the token cache, or tokenized) into one in-memory block. That covers any
+    from the tokenized dataset into one in-memory block. That covers any
     worker count an elastic run gets (at most `scaling.num_workers`). Not a read task: the train split's task keeps its
     CPU while it streams the epoch, and a validation task that needs one more CPU than
     is free waits for that task to end, with training stopped at its first evaluation

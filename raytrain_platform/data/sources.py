@@ -18,10 +18,12 @@ The modules below, in order: `splits` (file systems, the split's rules), `specs`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator
 
 import numpy as np
 
+from raytrain_platform.data.packing import joined
 from raytrain_platform.data.prepared import Manifest, load_manifest, read_windows
 from raytrain_platform.data.raw import synthetic_ids, synthetic_rows, text_split, text_windows
 from raytrain_platform.data.specs import DataInfo, SourceSpec, split_by_file
@@ -34,7 +36,7 @@ __all__ = [
     "SourceSpec", "DataInfo", "VAL_SPLIT", "default_text_root", "filesystem", "split_mask", "split_key",
     "split_keys", "split_by_file", "rebatch", "synthetic_rows", "text_windows", "text_files",
     # the front door
-    "describe", "prepared", "token_pieces", "token_windows", "iter_source", "head",
+    "describe", "prepared", "token_pieces", "token_windows", "iter_source", "head", "local_windows",
 ]
 
 
@@ -110,3 +112,10 @@ def head(spec: SourceSpec, split: str, rows: int,
     """The first `rows` rows of `split` in source order (all of them if it has fewer;
     None if none), read only as far as they go."""
     return next(rebatch(iter_source(spec, split, features), rows, tail=True), None)
+
+
+def local_windows(spec: SourceSpec, split: str) -> dict[str, np.ndarray]:
+    """A tokenized source's whole `split` as one batch, its dataset written in this
+    process where no pass has (benchmarks and notebooks that want the arrays)."""
+    spec = dataclasses.replace(spec, prepared=describe(spec, on_ray=False).prepared)
+    return joined(iter_source(spec, split), spec.seq_len, spec.packing)
