@@ -346,6 +346,10 @@ def test_bad_table_paths_are_one_line(tmp_path):
         with pytest.raises(DataError, match=match) as exc:
             table_files("hf_dataset", str(path))
         assert one_line(exc).startswith(f"data.path = {str(path)!r}: ")
+    with pytest.raises(DataError, match=r"^data.sources\[1\].path = .*: no such file or folder$"):
+        table_files("hf_dataset", str(tmp_path / "missing"), field="data.sources[1].path")
+    with pytest.raises(DataError, match=r"^data.sources\[1\].path = .*: no such file or folder$"):
+        table_files("parquet", str(tmp_path / "missing"), field="data.sources[1].path")
     (tmp_path / "bad.arrow").write_text("not arrow either")
     with pytest.raises(DataError, match="bad.arrow: cannot be read as an Arrow file") as exc:
         list(table_blocks("hf_dataset", str(tmp_path / "bad.arrow"), 4))

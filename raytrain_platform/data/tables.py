@@ -54,49 +54,50 @@ def _uris(path: str, root: str, found: list[str]) -> list[str]:
     return [base + f[len(root):] + query_mark + query for f in found]
 
 
-def _read_json(fs: "pafs.FileSystem", local: str, path: str) -> Any:
+def _read_json(fs: "pafs.FileSystem", local: str, where: str) -> Any:
     try:
         with fs.open_input_stream(local) as f:
             return json.loads(f.read())
     except (OSError, ValueError) as exc:
-        raise DataError(f"data.path = {path!r}: {local.rsplit('/', 1)[-1]} cannot be read as JSON ({exc})") from None
+        raise DataError(f"{where}: {local.rsplit('/', 1)[-1]} cannot be read as JSON ({exc})") from None
 
 
-def _hf_dataset_files(path: str) -> list[str]:
+def _hf_dataset_files(path: str, field: str) -> list[str]:
     import pyarrow.fs as pafs
 
-    fs, root = filesystem(path)
+    fs, root = filesystem(path, field)
+    where = f"{field} = {path!r}"
     info = fs.get_file_info(root)
     if info.type == pafs.FileType.NotFound:
-        raise DataError(f"data.path = {path!r}: no such file or folder")
+        raise DataError(f"{where}: no such file or folder")
     if info.type == pafs.FileType.File:
         if not root.endswith(".arrow"):
-            raise DataError(f"data.path = {path!r}: expected a datasets save_to_disk folder, or .arrow files")
+            raise DataError(f"{where}: expected a datasets save_to_disk folder, or .arrow files")
         return _uris(path, root, [root])
     exists = {name: fs.get_file_info(f"{root}/{name}").type == pafs.FileType.File
               for name in ("dataset_dict.json", "state.json")}
     if exists["dataset_dict.json"]:  # a DatasetDict: its "train" split
-        splits = _read_json(fs, f"{root}/dataset_dict.json", path).get("splits", [])
+        splits = _read_json(fs, f"{root}/dataset_dict.json", where).get("splits", [])
         if "train" not in splits:
-            raise DataError(f"data.path = {path!r}: a DatasetDict folder without a 'train' split (its splits "
-                            f"are {splits}); set data.path to one split's folder")
+            raise DataError(f"{where}: a DatasetDict folder without a 'train' split (its splits "
+                            f"are {splits}); set {field} to one split's folder")
         base, mark, query = path.partition("?")
-        return _hf_dataset_files(f"{base.rstrip('/')}/train{mark}{query}")
+        return _hf_dataset_files(f"{base.rstrip('/')}/train{mark}{query}", field)
     if exists["state.json"]:  # save_to_disk's own list, in the dataset's order
-        state = _read_json(fs, f"{root}/state.json", path)
+        state = _read_json(fs, f"{root}/state.json", where)
         found = [f"{root}/{entry['filename']}" for entry in state.get("_data_files", [])]
         missing = [f for f in found if fs.get_file_info(f).type != pafs.FileType.File]
         if missing:
-            raise DataError(f"data.path = {path!r}: state.json lists {missing[0]!r}, which is not there")
+            raise DataError(f"{where}: state.json lists {missing[0]!r}, which is not there")
     else:
         infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
         found = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".arrow"))
     if not found:
-        raise DataError(f"data.path = {path!r}: the folder holds no .arrow files")
+        raise DataError(f"{where}: the folder holds no .arrow files")
     return _uris(path, root, found)
 
 
-def table_files(kind: str, path: str) -> list[str]:
+def table_files(kind: str, path: str, field: str = "data.path") -> list[str]:
     """The files of a table source, in the order their rows are read.
 
     ``hf_dataset``: a ``datasets.Dataset.save_to_disk`` folder (the Arrow files its
@@ -104,11 +105,12 @@ def table_files(kind: str, path: str) -> list[str]:
     split, the only one read (a DatasetDict without one is refused, naming its splits);
     else the folder's .arrow files (recursive, sorted), or one .arrow file.
     ``parquet``: the .parquet files, sorted, as `parquet.parquet_files` lists them.
-    Local paths come back absolute, URIs as URIs."""
+    Local paths come back absolute, URIs as URIs. Errors name `field` (the config key
+    that gave `path`)."""
     _kind(kind)
     if kind == "hf_dataset":
-        return _hf_dataset_files(path)
-    _, root, files = parquet_files(path)
+        return _hf_dataset_files(path, field)
+    _, root, files = parquet_files(path, field)
     return _uris(path, root, files)
 
 
