@@ -135,6 +135,7 @@ def _module_graph() -> dict[str, set[str]]:
 
     graph: dict[str, set[str]] = {}
     for path in PKG.rglob("*.py"):
+        here = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
         graph[here] = {t for t in (resolve(m) for m, _ in _imports(path)) if t and t != here}
     return graph
 
@@ -217,7 +218,8 @@ DATA_LAYERS: list[set[str]] = [
     {"tokenize_pass"},  # the pass that writes a tokenized dataset
     {"prepared"},  # a written dataset: key, manifest, windows
     {"pieces"},  # a tokenized source in pieces and blocks
-    {"jsonl", "text_groups", "parquet", "raw"},  # one reader per source
+    {"jsonl", "tables", "text_groups", "raw"},  # one reader per source
+    {"parquet"},  # tabular Parquet (its files are listed for tables too)
     {"encode", "packing"},  # tokenizing records, packing documents
     {"specs"},  # plain specs
     {"splits"},  # file systems, the split's rules

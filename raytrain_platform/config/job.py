@@ -115,16 +115,30 @@ class JobConfig:
         else:
             check_field(self.data.seq_len is None, "data.seq_len", self.data.seq_len,
                    f"null for a {task} model (tokens per sample are for lm models)")
-        if self.data.source in ("text", "jsonl"):
+        if self.data.source in ("text", "jsonl", "hf_dataset"):
             check_field(task == "lm", "data.source", self.data.source, f"a tabular source (parquet, "
                    f"synthetic) for a {task} model; {self.data.source} needs an lm model")
         elif self.data.source == "parquet":
-            check_field(task != "lm", "data.source", "parquet",
-                   "'text', 'jsonl' or 'synthetic' for an lm model (Parquet input is tabular)")
-        if self.data.source == "jsonl":
+            self._check_parquet(task)
+        if self.data.reads_records(self.model):
             check_field(self.data.tokenizer_for(self.model) is not None, "data.tokenizer", None,
-                   f"a local tokenizer folder for data.source jsonl (model '{self.model.name}' "
+                   f"a local tokenizer folder for data.source {self.data.source} (model '{self.model.name}' "
                    "has no tokenizer of its own)")
+
+    def _check_parquet(self, task: str | None) -> None:
+        """Parquet is tabular for a classification or regression model, and records of
+        ``data.format`` for an lm model: each refuses the other's options."""
+        d = self.data
+        if task != "lm":
+            why = f"for tabular parquet (a {task} model; records of data.format are read for an lm model)"
+            check_field(d.format == "text", "data.format", d.format, f"'text' (unset) {why}")
+            check_field(d.tokenizer is None, "data.tokenizer", d.tokenizer, f"null {why}")
+            check_field(d.packing != "documents", "data.packing", d.packing, f"concat or null {why}")
+            return
+        why = "for parquet records (an lm model; they hold out data.val_fraction)"
+        check_field(d.val_path is None, "data.val_path", d.val_path, f"null {why}")
+        check_field(d.feature_columns is None, "data.feature_columns", d.feature_columns,
+               "null for parquet records (an lm model reads the columns of data.format)")
 
     @property
     def seq_len(self) -> int | None:

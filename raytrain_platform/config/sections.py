@@ -87,44 +87,61 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     SECTION: ClassVar[str] = "data"
-    source: str = _REQUIRED  # parquet | synthetic | text | jsonl
+    source: str = _REQUIRED  # parquet | synthetic | text | jsonl | hf_dataset
     """`text` (a folder of text files cut into byte windows of `data.seq_len + 1`, or read through
     `data.tokenizer` when there is one), `jsonl` (instruction or text records, one JSON object per line,
-    tokenized and packed; see `data.format`), `parquet` (tabular), `synthetic` (deterministic generator).
-    See [data.md](data.md)."""
+    tokenized and packed; see `data.format`), `hf_dataset` (the same records as the rows of a Hugging Face
+    `datasets` folder written by `save_to_disk`, or of `.arrow` files), `parquet` (tabular; with an `lm`
+    model, records as rows, as `hf_dataset`), `synthetic` (deterministic generator). See [data.md](data.md)."""
     batch_size: Union[int, str] = _REQUIRED  # per-worker micro-batch, or "auto" (train.global_batch_size)
     """Per-worker micro-batch (samples per worker per micro-step), or `auto`: the largest that fits in memory,
     with `train.global_batch_size` (see [plan-and-doctor.md](plan-and-doctor.md#let-the-plan-decide-auto))."""
     path: Union[str, None] = None  # parquet/jsonl file, folder or URI; text folder (default: Python's stdlib)
-    """`text`: folder (default: this Python's standard library sources); `parquet`, `jsonl` (required): a
-    folder/file or a pyarrow filesystem URI (`s3://...`, `gs://...`); a folder's `.jsonl` files are read
-    recursively, sorted."""
+    """`text`: folder (default: this Python's standard library sources); `parquet`, `jsonl`, `hf_dataset`
+    (required): a folder/file or a pyarrow filesystem URI (`s3://...`, `gs://...`); a folder's `.jsonl` or
+    `.parquet` files are read recursively, sorted; an `hf_dataset` folder's files in the order its `state.json`
+    lists them (a `DatasetDict` folder: its `train` split)."""
     format: str = "text"
-    """`jsonl`: `text` (every token trained on), `prompt_completion` (the loss counts only the completion and
-    its EOS), `chat` (`messages` rendered by the tokenizer's chat template; the loss counts only the
-    assistant turns). Documents end with EOS and are packed into windows of `data.seq_len + 1` tokens; how
-    they are counted, kept and read: [data.md](data.md#jsonl-and-tokenized-text)."""
+    """Records of `jsonl`, `hf_dataset` and `parquet` with an `lm` model: `text` (every token trained on),
+    `prompt_completion` (the loss counts only the completion and its EOS), `chat` (`messages` rendered by the
+    tokenizer's chat template; the loss counts only the assistant turns), `alpaca` (`instruction`, optional
+    `input` and `system`, `output`: chat messages as LLaMA-Factory makes them; the loss counts only the output's
+    turn), `sharegpt` (`conversations` of `from`/`value`, `from` human/gpt/system or user/assistant; the loss
+    counts only the gpt turns). Documents end with EOS and are packed into windows of `data.seq_len + 1`
+    tokens; how they are counted, kept and read: [data.md](data.md#jsonl-and-tokenized-text)."""
     tokenizer: Union[str, None] = None
-    """`text`, `jsonl`: a local Hugging Face tokenizer folder (never downloaded). Default: the model family's
-    own (an `hf` model's directory); a family without one (`gpt`, user builders) reads `text` as bytes and
-    needs it set for `jsonl`. Checked before Ray: it loads, has a chat template for `chat`, and has no more
-    tokens than the model's embeddings where the family knows them."""
-    text_field: str = "text"  # jsonl field names, per format
-    """`jsonl` `text` format: the field holding the text."""
+    """`text`, and records (`jsonl`, `hf_dataset`, `parquet` with an `lm` model): a local Hugging Face
+    tokenizer folder (never downloaded). Default: the model family's own (an `hf` model's directory); a family
+    without one (`gpt`, user builders) reads `text` as bytes and needs it set for records. Checked before Ray:
+    it loads, has a chat template for `chat`, `alpaca` and `sharegpt`, and has no more tokens than the model's
+    embeddings where the family knows them."""
+    text_field: str = "text"  # record field (or column) names, per format
+    """`text` format: the field (a table's column) holding the text."""
     prompt_field: str = "prompt"
-    """`jsonl` `prompt_completion` format: the prompt's field."""
+    """`prompt_completion` format: the prompt's field."""
     completion_field: str = "completion"
-    """`jsonl` `prompt_completion` format: the completion's field."""
+    """`prompt_completion` format: the completion's field."""
     messages_field: str = "messages"
-    """`jsonl` `chat` format: the field holding `[{"role": ..., "content": ...}, ...]`."""
+    """`chat` format: the field holding `[{"role": ..., "content": ...}, ...]`."""
+    instruction_field: str = "instruction"
+    """`alpaca` format: the instruction's field (a string; the user turn)."""
+    input_field: str = "input"
+    """`alpaca` format: the optional input's field, joined to the instruction by a newline where it is there
+    and not empty."""
+    output_field: str = "output"
+    """`alpaca` format: the output's field (a string; the assistant turn, the one trained on)."""
+    system_field: str = "system"
+    """`alpaca` format: the optional system prompt's field (a system message where it is not empty)."""
+    conversations_field: str = "conversations"
+    """`sharegpt` format: the field holding `[{"from": ..., "value": ...}, ...]`."""
     feature_columns: Union[list[str], None] = None  # parquet: input columns (default: all but label)
-    """`parquet`: input columns (default: every column but the label)."""
+    """`parquet` (tabular): input columns (default: every column but the label)."""
     label_column: str = "label"
-    """`parquet`: integer class index below 1,000,000 (classification; the model gets one output per index up
+    """`parquet` (tabular): integer class index below 1,000,000 (classification; the model gets one output per index up
     to the largest in `data.path` and `data.val_path`) or finite number (regression); a null label or
     feature is an error naming the file and column."""
     val_path: Union[str, None] = None  # parquet: separate validation data (else val_fraction)
-    """`parquet` only (another source refuses it): separate validation data: validation is every row of it and
+    """Tabular `parquet` only (another source refuses it): separate validation data: validation is every row of it and
     training every row of `data.path` (`val_fraction` is not used); otherwise `val_fraction` is held out."""
     val_fraction: float = 0.05  # held out by a hash of each sample's file and place (data/sources.py)
     """Share of samples held out for validation, chosen by a hash (the same at every world size) of the file's
@@ -169,35 +186,43 @@ class DataConfig:
     the same windows. It must be writable (checked before Ray starts). See
     [data.md](data.md#tokenized-once-on-the-cluster)."""
     packing: Union[str, None] = None
-    """`jsonl`: how documents fill the windows of `data.seq_len + 1` tokens. `documents`: whole documents,
+    """Records (`jsonl`, `hf_dataset`, lm `parquet`): how documents fill the windows of `data.seq_len + 1`
+    tokens. `documents`: whole documents,
     best-fit packed, each apart (its positions start at 0 and it attends only to itself, through position ids
     that transformers turns into a block-causal mask); the rest of a window is padding (loss mask 0); a
     document longer than a window is truncated, and `rtp validate` says how many. `concat`: one stream cut
     into windows (a document may span two and attends to those before it). Default: `documents` for
-    `prompt_completion` and `chat` where the model is shown to keep packed documents apart (`hf` architectures
+    every format but `text` where the model is shown to keep packed documents apart (`hf` architectures
     but OPT; user models whose forward takes `position_ids`), else `concat`. Not with `parallel.pp_size > 1`.
     See [data.md](data.md#packing-documents-or-one-stream)."""
 
     _ALLOWED: ClassVar[dict[str, str]] = {
         "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)"}
 
-    _SOURCES: ClassVar[tuple[str, ...]] = ("parquet", "synthetic", "text", "jsonl")
-    _FORMATS: ClassVar[tuple[str, ...]] = ("text", "prompt_completion", "chat")  # data/jsonl.py
-    _FIELDS: ClassVar[tuple[str, ...]] = ("text_field", "prompt_field", "completion_field", "messages_field")
+    _SOURCES: ClassVar[tuple[str, ...]] = ("parquet", "synthetic", "text", "jsonl", "hf_dataset")
+    # Sources of records in data.format (parquet's with an lm model only: JobConfig checks it).
+    RECORD_SOURCES: ClassVar[tuple[str, ...]] = ("jsonl", "hf_dataset", "parquet")
+    _FORMATS: ClassVar[tuple[str, ...]] = ("text", "prompt_completion", "chat", "alpaca", "sharegpt")  # data/encode.py
+    _FIELDS: ClassVar[tuple[str, ...]] = ("text_field", "prompt_field", "completion_field", "messages_field",
+                                          "instruction_field", "input_field", "output_field", "system_field",
+                                          "conversations_field")
 
     def __post_init__(self) -> None:
         check_field(self.source in self._SOURCES, "data.source", self.source, f"one of {list(self._SOURCES)}")
         check_field(self.format in self._FORMATS, "data.format", self.format, f"one of {list(self._FORMATS)}")
-        check_field(self.format == "text" or self.source == "jsonl", "data.format", self.format,
-               f"'text' for data.source {self.source} (prompt_completion and chat are jsonl formats)")
+        check_field(self.format == "text" or self.source in self.RECORD_SOURCES, "data.format", self.format,
+               f"'text' for data.source {self.source} (the other formats are records of "
+               f"{', '.join(self.RECORD_SOURCES)})")
         if self.tokenizer is not None:
-            check_field(self.source in ("text", "jsonl"), "data.tokenizer", self.tokenizer,
-                   f"null for data.source {self.source} (a tokenizer reads text or jsonl)")
+            check_field(self.source in ("text", *self.RECORD_SOURCES), "data.tokenizer", self.tokenizer,
+                   f"null for data.source {self.source} (a tokenizer reads text and records)")
             check_field(bool(self.tokenizer), "data.tokenizer", self.tokenizer, "a tokenizer folder, or null")
         for name in self._FIELDS:
             check_field(bool(getattr(self, name)), f"data.{name}", getattr(self, name), "a JSON field name")
         check_field(self.source != "jsonl" or bool(self.path), "data.path", self.path,
                "a .jsonl file, a folder of them or a URI when data.source is jsonl")
+        check_field(self.source != "hf_dataset" or bool(self.path), "data.path", self.path,
+               "a datasets save_to_disk folder, .arrow files or a URI when data.source is hf_dataset")
         check_field(self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
                "data.batch_size", self.batch_size, self._ALLOWED["batch_size"])
         check_field(self.cache_path is None or bool(self.cache_path), "data.cache_path", self.cache_path,
@@ -228,8 +253,9 @@ class DataConfig:
                "data.max_read_rows_per_s", self.max_read_rows_per_s, "a number > 0 or null (no limit)")
         check_field(self.packing in (None, "documents", "concat"), "data.packing", self.packing,
                "documents, concat, or null (documents for jsonl prompt_completion and chat)")
-        check_field(self.packing != "documents" or self.source == "jsonl", "data.packing", self.packing,
-               f"concat for data.source {self.source} (documents packs jsonl records)")
+        check_field(self.packing != "documents" or self.source in self.RECORD_SOURCES, "data.packing",
+               self.packing, f"concat for data.source {self.source} (documents packs records of "
+               f"{', '.join(self.RECORD_SOURCES)})")
         check_field(self.feature_columns is None or len(self.feature_columns) > 0,
                "data.feature_columns", self.feature_columns, "a non-empty list of column names or null")
 
@@ -248,8 +274,8 @@ class DataConfig:
 
     @property
     def resolved_packing(self) -> str:
-        """``packing``, or where unset the format's default: documents for jsonl
-        prompt_completion and chat, concat otherwise (resolve_job sets it to concat for a
+        """``packing``, or where unset the format's default: documents for records of
+        every format but text, concat otherwise (resolve_job sets it to concat for a
         model that takes no position ids).
 
         >>> DataConfig(source="jsonl", path="d", format="chat", batch_size=8).resolved_packing
@@ -257,12 +283,17 @@ class DataConfig:
         """
         if self.packing is not None:
             return self.packing
-        return "documents" if self.source == "jsonl" and self.format != "text" else "concat"
+        return "documents" if self.source in self.RECORD_SOURCES and self.format != "text" else "concat"
+
+    def reads_records(self, model: ModelConfig) -> bool:
+        """Whether the source is records of ``format`` (jsonl, hf_dataset, and parquet
+        for an lm model; tabular parquet is not)."""
+        return self.source in self.RECORD_SOURCES and (self.source != "parquet" or model.task == "lm")
 
     def tokenizer_for(self, model: ModelConfig) -> str | None:
-        """The tokenizer folder text and jsonl are read with: ``data.tokenizer``, else the
+        """The tokenizer folder text and records are read with: ``data.tokenizer``, else the
         model family's own (an hf model's directory); None: text is read as bytes."""
-        if self.source not in ("text", "jsonl"):
+        if self.source != "text" and not self.reads_records(model):
             return None
         return self.tokenizer or get_family(model.name).default_tokenizer(model.kwargs)
 

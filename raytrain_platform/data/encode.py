@@ -2,7 +2,28 @@
 for its `data.format`, and documents as token ids (ending with EOS) with their loss
 masks (1 = trained on), the tokenizer called once for many records. Pure and
 deterministic: a record gets the ids it gets alone, whatever it is tokenized with.
-`jsonl.py` reads the files and packs these documents into windows.
+`jsonl.py` reads JSON lines and `tables.py` table rows into these records.
+
+Five formats (`FORMATS`); the last three become chat messages rendered by the
+tokenizer's chat template, the loss on the assistant turns only (`CHAT_FORMATS`):
+
+* ``text``: ``{"text": ...}``, every token trained on;
+* ``prompt_completion``: ``{"prompt": ..., "completion": ...}``, the completion and EOS;
+* ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...]}``;
+* ``alpaca``: ``{"instruction": ..., "input": ..., "output": ..., "system": ...}`` (input
+  and system optional), as LLaMA-Factory converts it: a system message when there is a
+  system, one user turn of the instruction and the input joined by a newline (either
+  left out where empty), and the output as the assistant turn;
+* ``sharegpt``: ``{"conversations": [{"from": ..., "value": ...}, ...]}`` with ``from``
+  human or user, gpt or assistant, system (`SHAREGPT_ROLES`).
+
+>>> spec = RecordSpec("alpaca")
+>>> chat_messages({"instruction": "Add.", "input": "1 2", "output": "3"}, spec)
+[{'role': 'user', 'content': 'Add.\\n1 2'}, {'role': 'assistant', 'content': '3'}]
+>>> check_record({"instruction": "Add."}, spec)
+Traceback (most recent call last):
+...
+raytrain_platform.errors.DataError: expected a string field 'output' (data.format alpaca), got missing
 """
 
 from __future__ import annotations
@@ -10,17 +31,83 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
 
 import numpy as np
 
+from raytrain_platform.data.specs import FORMATS
 from raytrain_platform.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from raytrain_platform.data.specs import TokenSpec
 
-__all__ = ["ENCODE_BATCH", "ENCODE_CHARS", "RecordError", "load_tokenizer", "folder_state", "check_record",
-           "encode_records", "encode_record", "text_documents", "encode_batches", "check_fits"]
+__all__ = ["ENCODE_BATCH", "ENCODE_CHARS", "FORMATS", "CHAT_FORMATS", "SHAREGPT_ROLES", "RecordSpec",
+           "record_spec", "RecordError", "load_tokenizer", "folder_state", "tokenizer_for_format", "check_record",
+           "chat_messages", "encode_records", "encode_record", "text_documents", "encode_batches", "check_fits"]
+
+CHAT_FORMATS = ("chat", "alpaca", "sharegpt")  # rendered by the tokenizer's chat template
+# ShareGPT's `from` → chat role. human/gpt/system are ShareGPT's own (and LLaMA-Factory's
+# tags); user/assistant are in data that calls itself ShareGPT too (Unsloth's
+# standardize_sharegpt takes both).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system"}
+
+
+@dataclass(frozen=True)
+class RecordSpec:
+    """A record format and the field names it reads (``data.format``, ``data.*_field``):
+    all that checking and tokenizing a record needs. Picklable."""
+
+    format: str
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    instruction_field: str = "instruction"
+    input_field: str = "input"
+    output_field: str = "output"
+    system_field: str = "system"
+    conversations_field: str = "conversations"
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ConfigError("data.format", self.format, f"one of {', '.join(FORMATS)}")
+
+    @property
+    def fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(the fields a record of this format must have, those it may have).
+
+        >>> RecordSpec("alpaca").fields
+        (('instruction', 'output'), ('input', 'system'))
+        """
+        return {"text": ((self.text_field,), ()),
+                "prompt_completion": ((self.prompt_field, self.completion_field), ()),
+                "chat": ((self.messages_field,), ()),
+                "alpaca": ((self.instruction_field, self.output_field), (self.input_field, self.system_field)),
+                "sharegpt": ((self.conversations_field,), ())}[self.format]
+
+
+def _fields_of(spec: object) -> RecordSpec:
+    names = [f for f in RecordSpec.__dataclass_fields__ if hasattr(spec, f)]
+    return RecordSpec(**{f: getattr(spec, f) for f in names})
+
+
+_cached_fields_of = functools.lru_cache(maxsize=64)(_fields_of)  # a record is checked per line
+
+
+def record_spec(spec: Union[RecordSpec, "TokenSpec"]) -> RecordSpec:
+    """`spec` as a `RecordSpec`: itself, or the format and field names of another spec
+    that has them (a field it lacks keeps its default; `TokenSpec` has no alpaca ones)."""
+    if isinstance(spec, RecordSpec):
+        return spec
+    try:
+        return _cached_fields_of(spec)
+    except TypeError:  # an unhashable spec
+        return _fields_of(spec)
+
+
+# ---------------------------------------------------------------- tokenizer
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -55,13 +142,19 @@ def _load_tokenizer(path: str, state: tuple = ()) -> Any:
     return tok
 
 
-def load_tokenizer(path: str, *, need_chat_template: bool) -> Any:
+def load_tokenizer(path: str, *, need_chat_template: bool, format: str = "chat") -> Any:
     """The Hugging Face tokenizer in local folder `path`, loaded once per process and
-    again if its files change; never downloads, never runs code from the folder."""
+    again if its files change; never downloads, never runs code from the folder.
+    `format` names the data.format that needs the chat template."""
     tok = _load_tokenizer(path, folder_state(path))
     if need_chat_template and not getattr(tok, "chat_template", None):
-        raise ConfigError("data.tokenizer", path, "a tokenizer with a chat_template for data.format chat")
+        raise ConfigError("data.tokenizer", path, f"a tokenizer with a chat_template for data.format {format}")
     return tok
+
+
+def tokenizer_for_format(path: str, format: str) -> Any:
+    """`load_tokenizer` for records of `format`: one with a chat template for `CHAT_FORMATS`."""
+    return load_tokenizer(path, need_chat_template=format in CHAT_FORMATS, format=format)
 
 
 # ---------------------------------------------------------------- records
@@ -69,7 +162,8 @@ def load_tokenizer(path: str, *, need_chat_template: bool) -> Any:
 
 class RecordError(DataError):
     """A record that cannot be tokenized: `index` is its place in the list handed to
-    `encode_records`; the message names no location (the reader adds its file and line)."""
+    `encode_records` (or its line in a reader's block); the message names no location
+    (the reader adds its file and line)."""
 
     def __init__(self, index: int, message: str):
         super().__init__(message)
@@ -109,21 +203,66 @@ def _check_messages(messages: Any, field: str) -> None:
         raise DataError(f"expected {field!r} to hold at least one message with role 'assistant'")
 
 
-def check_record(record: Any, spec: TokenSpec) -> None:
+def _check_string(record: dict, name: str, fmt: str, optional: bool = False) -> None:
+    """DataError unless `record[name]` is a string (with `optional`: or missing, or null)."""
+    value = record.get(name)
+    if optional and value is None:
+        return
+    if not isinstance(value, str):
+        got = "missing" if name not in record else type(value).__name__
+        kind = "an optional string field" if optional else "a string field"
+        raise DataError(f"expected {kind} {name!r} (data.format {fmt}), got {got}")
+    _check_unicode(value, f"field {name!r}")
+
+
+def _check_sharegpt(turns: Any, field: str) -> None:
+    roles = ", ".join(SHAREGPT_ROLES)
+    shape = f"{field!r}: a non-empty list of {{\"from\": str, \"value\": str}} objects, \"from\" one of {roles}"
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"expected {shape}")
+    for i, t in enumerate(turns):
+        if not (isinstance(t, dict) and isinstance(t.get("from"), str) and t["from"] in SHAREGPT_ROLES
+                and isinstance(t.get("value"), str)):
+            raise DataError(f"expected {shape}; message {i} is {json.dumps(t, default=str)[:80]}")
+        _check_unicode(t["value"], f"{field!r} message {i} 'value'")
+    if not any(SHAREGPT_ROLES[t["from"]] == "assistant" for t in turns):
+        raise DataError(f"expected {field!r} to hold at least one message from 'gpt' (or 'assistant')")
+
+
+def check_record(record: Any, spec: Union[RecordSpec, "TokenSpec"]) -> None:
     """DataError (without a location; the reader adds it) unless `record` fits `spec.format`."""
+    spec = record_spec(spec)
     if not isinstance(record, dict):
         raise DataError(f"expected a JSON object, got {type(record).__name__}")
+    if spec.format in ("chat", "sharegpt"):
+        field = spec.messages_field if spec.format == "chat" else spec.conversations_field
+        if field not in record:
+            raise DataError(f"expected a field {field!r} (data.format {spec.format})")
+        check = _check_messages if spec.format == "chat" else _check_sharegpt
+        return check(record[field], field)
+    required, optional = spec.fields
+    for name in required:
+        _check_string(record, name, spec.format)
+    for name in optional:
+        _check_string(record, name, spec.format, optional=True)
+
+
+
+
+def chat_messages(record: dict, spec: Union[RecordSpec, "TokenSpec"]) -> list[dict]:
+    """The chat messages a checked record of a `CHAT_FORMATS` format is rendered from."""
+    spec = record_spec(spec)
     if spec.format == "chat":
-        if spec.messages_field not in record:
-            raise DataError(f"expected a field {spec.messages_field!r} (data.format chat)")
-        return _check_messages(record[spec.messages_field], spec.messages_field)
-    fields = ((spec.text_field,) if spec.format == "text"
-              else (spec.prompt_field, spec.completion_field))
-    for name in fields:
-        if not isinstance(record.get(name), str):
-            got = "missing" if name not in record else type(record[name]).__name__
-            raise DataError(f"expected a string field {name!r} (data.format {spec.format}), got {got}")
-        _check_unicode(record[name], f"field {name!r}")
+        return record[spec.messages_field]
+    if spec.format == "sharegpt":
+        return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in record[spec.conversations_field]]
+    if spec.format != "alpaca":
+        raise ValueError(f"data.format {spec.format} records are not chat messages")
+    # LLaMA-Factory's AlpacaDatasetConverter: "instruction\ninput", each only where non-empty.
+    user = "\n".join(v for v in (record[spec.instruction_field], record.get(spec.input_field)) if v)
+    system = record.get(spec.system_field)
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": user}, {"role": "assistant", "content": record[spec.output_field]}]
 
 
 # Documents handed to the tokenizer in one call (at most; and about `ENCODE_CHARS` bytes
@@ -196,10 +335,12 @@ def text_documents(tok: Any, texts: list[str]) -> list[tuple[list[int], list[int
     return [(bos + ids + [eos], [0] * len(bos) + [1] * (len(ids) + 1)) for ids in _ids(tok, texts)]
 
 
-def encode_records(tok: Any, records: list[dict], spec: TokenSpec) -> list[tuple[list[int], list[int]]]:
+def encode_records(tok: Any, records: list[dict],
+                   spec: Union[RecordSpec, "TokenSpec"]) -> list[tuple[list[int], list[int]]]:
     """Token ids (ending with EOS) and loss mask (1 = trained on) of each checked
     record, the tokenizer called once for them all. A conversation the chat template
     cannot render raises `RecordError` with its index."""
+    spec = record_spec(spec)
     if spec.format == "text":
         return text_documents(tok, [r[spec.text_field] for r in records])
     if spec.format == "prompt_completion":
@@ -207,10 +348,12 @@ def encode_records(tok: Any, records: list[dict], spec: TokenSpec) -> list[tuple
         ids = _ids(tok, [r[spec.prompt_field] for r in records] + [r[spec.completion_field] for r in records])
         return [(bos + prompt + completion + [eos], [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + 1))
                 for prompt, completion in zip(ids[:n], ids[n:])]
-    return _encode_chats(tok, [r[spec.messages_field] for r in records])
+    return _encode_chats(tok, [chat_messages(r, spec) for r in records])
 
 
-def encode_record(tok: Any, record: dict, spec: TokenSpec) -> tuple[list[int], list[int]]:
+
+
+def encode_record(tok: Any, record: dict, spec: Union[RecordSpec, "TokenSpec"]) -> tuple[list[int], list[int]]:
     """Token ids of one document (ending with EOS) and its loss mask (1 = trained on)."""
     check_record(record, spec)
     return encode_records(tok, [record], spec)[0]
@@ -244,7 +387,7 @@ def encode_batches(items: Iterator[Any], chars: Callable[[Any], int]) -> Iterato
 def check_fits(spec: TokenSpec, *, vocab_size: int | None, max_positions: int | None) -> None:
     """ConfigError unless the tokenizer's ids fit the model's embedding and each window's
     context (seq_len - 1) fits its positions; None skips a check."""
-    tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
+    tok = tokenizer_for_format(spec.tokenizer, spec.format)
     if vocab_size is not None and len(tok) > vocab_size:
         raise ConfigError("data.tokenizer", spec.tokenizer,
                           f"a tokenizer of at most the model's vocab_size {vocab_size} tokens "

@@ -1,9 +1,10 @@
 """A tokenized source in pieces and blocks (numpy only: no Ray, no torch).
 
-A *piece* is what is packed together: one .jsonl file (`jsonl.py`), or a group of
-consecutive text files (`text_groups.py`). Its windows' ids are ``piece_index << 32 |
-window`` (jsonl's validation windows also set bit 31). A *block* is what one task
-tokenizes: a byte range of a .jsonl file, or a whole text group. The tokenized
+A *piece* is what is packed together: one .jsonl file (`jsonl.py`), one Arrow or
+Parquet file of records (`tables.py`), or a group of consecutive text files
+(`text_groups.py`). Its windows' ids are ``piece_index << 32 | window`` (a file of
+records also sets bit 31 in its validation windows'). A *block* is what one task
+tokenizes: a byte range of a .jsonl file, a whole table file, or a whole text group. The tokenized
 dataset's pass (`prepared.py`) tokenizes blocks side by side (`tokenize_block`), then
 packs each piece's blocks in order (`PiecePacker`); both are pure functions of their
 input, so the windows never depend on how the work was spread.
@@ -17,15 +18,16 @@ from typing import Iterator
 
 import numpy as np
 
-from raytrain_platform.data import jsonl
-from raytrain_platform.data.encode import RecordError, encode_batches, encode_records, load_tokenizer
+from raytrain_platform.data import jsonl, tables
+from raytrain_platform.data.encode import RecordError, encode_batches, encode_records, record_spec, tokenizer_for_format
 from raytrain_platform.data.packing import Packer, make_packer, pad_id
 from raytrain_platform.data.specs import SourceSpec, TokenSpec
 from raytrain_platform.data.splits import filesystem, split_key, split_keys, split_mask, text_files
 from raytrain_platform.data.text_groups import group_documents, text_groups
 from raytrain_platform.errors import DataError
 
-__all__ = ["VAL_BIT", "Piece", "Block", "Tokenized", "source_pieces", "tokenize_block", "first_id", "PiecePacker"]
+__all__ = ["VAL_BIT", "Piece", "Block", "Tokenized", "source_pieces", "tokenize_block", "error_text", "first_id",
+           "PiecePacker"]
 
 VAL_BIT = 1 << 31  # set in the sample_id of jsonl's validation windows: ids never collide across splits
 
@@ -43,8 +45,9 @@ class Block:
 
 @dataclass(frozen=True)
 class Piece:
-    """A .jsonl file (`kind` jsonl), or a group of text files (`kind` text), at `index`
-    in the source's order; `size`: its bytes."""
+    """A .jsonl file (`kind` jsonl), an Arrow or Parquet file of records (hf_dataset,
+    parquet), or a group of text files (text), at `index` in the source's order; `size`:
+    its bytes."""
 
     index: int
     kind: str
@@ -52,8 +55,8 @@ class Piece:
     size: int
 
     def blocks(self, block_bytes: int = jsonl.BLOCK_BYTES) -> list[Block]:
-        """Its blocks, in order: byte ranges of a .jsonl file; a text group whole."""
-        if self.kind == "text":
+        """Its blocks, in order: byte ranges of a .jsonl file; a table file or a text group whole."""
+        if self.kind != "jsonl":
             return [Block(self.index, 0)]
         return [Block(self.index, i, offset, length)
                 for i, (offset, length) in enumerate(jsonl.byte_ranges(self.size, block_bytes))]
@@ -72,6 +75,10 @@ def source_pieces(spec: SourceSpec) -> list[Piece]:
     """The pieces of a tokenized source, in order, from file metadata only."""
     if spec.kind == "jsonl":
         return [Piece(i, "jsonl", (path,), _size(path)) for i, path in enumerate(jsonl.jsonl_files(spec.path or ""))]
+    if spec.kind in tables.TABLE_KINDS:
+        files = tables.table_files(spec.kind, spec.path or "")
+        tables.check_table_files(spec.kind, files, spec.token_spec())  # columns and types: metadata only
+        return [Piece(i, spec.kind, (path,), _size(path)) for i, path in enumerate(files)]
     files = text_files(spec.path, spec.glob, spec.max_files)
     sizes = dict(files)
     return [Piece(i, "text", group, sum(sizes[p] for p in group))
@@ -99,7 +106,7 @@ class Tokenized:
     def to_bytes(self) -> bytes:
         """As an .npz (no pickled objects)."""
         out = io.BytesIO()
-        line, message = self.error if self.error else (-1, "")
+        line, message = self.error if self.error else (-2, "")
         np.savez(out, ids=self.ids, mask=self.mask, lengths=self.lengths, lines_of=self.lines_of,
                  lines=np.int64(self.lines), error_line=np.int64(line), error=np.str_(message))
         return out.getvalue()
@@ -109,7 +116,7 @@ class Tokenized:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             line = int(z["error_line"])
             return cls(ids=z["ids"], mask=z["mask"], lengths=z["lengths"], lines_of=z["lines_of"],
-                       lines=int(z["lines"]), error=(line, str(z["error"])) if line >= 0 else None)
+                       lines=int(z["lines"]), error=(line, str(z["error"])) if line != -2 else None)
 
 
 def _arrays(docs: list[tuple[list[int], list[int]]], lines_of: list[int], lines: int,
@@ -120,18 +127,26 @@ def _arrays(docs: list[tuple[list[int], list[int]]], lines_of: list[int], lines:
                      np.array(lines_of, dtype=np.int64), lines, error)
 
 
+_TABLE_ROWS = 1024  # rows of a table file converted to records at a time
+
+
 def tokenize_block(piece: Piece, block: Block, spec: TokenSpec) -> Tokenized:
-    """The block's documents (a text group's files; a byte range's records, up to the
-    first bad line, which is recorded, not raised: only the pass knows its line number)."""
+    """The block's documents (a text group's files; a byte range's or a table file's
+    records, up to the first bad one, which is recorded, not raised: only the pass knows
+    a line's number in its file)."""
     if piece.kind == "text":
         return _arrays(list(group_documents(piece.paths, spec)), [], 0, None)
-    data = jsonl.read_lines(piece.paths[0], block.offset, block.length)
-    tok = load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat")
+    if piece.kind == "jsonl":
+        data = jsonl.read_lines(piece.paths[0], block.offset, block.length)
+        found, lines = jsonl.records(data, spec), data.count(b"\n")
+    else:
+        found, lines = _table_records(piece, spec), 0
+    tok = tokenizer_for_format(spec.tokenizer, spec.format)
     docs: list[tuple[list[int], list[int]]] = []
     lines_of: list[int] = []
     error = None
     try:
-        for batch in encode_batches(jsonl.records(data, spec), lambda item: item[2]):
+        for batch in encode_batches(found, lambda item: item[2]):
             try:
                 docs += encode_records(tok, [r for _, r, _ in batch], spec)
             except RecordError as exc:  # documents before it stay
@@ -142,7 +157,28 @@ def tokenize_block(piece: Piece, block: Block, spec: TokenSpec) -> Tokenized:
             lines_of += [i for i, _, _ in batch]
     except RecordError as exc:
         error = (exc.index, str(exc))
-    return _arrays(docs, lines_of, data.count(b"\n"), error)
+    return _arrays(docs, lines_of, lines, error)
+
+
+def _table_records(piece: Piece, spec: TokenSpec) -> Iterator[tuple[int, dict, int]]:
+    """A table file's records; a bad row is a `RecordError` of its index."""
+    fields = record_spec(spec).fields
+    try:
+        for first, rows in tables.table_blocks(piece.kind, piece.paths[0], _TABLE_ROWS,
+                                              columns=[*fields[0], *fields[1]]):
+            yield from tables.table_records(piece.paths[0], first, rows, spec)
+    except DataError as exc:  # it names its file and row already
+        raise RecordError(-1, str(exc)) from None
+
+
+def error_text(piece: Piece, lines_before: int, index: int, message: str) -> str:
+    """A bad record's one line: its file and line (`lines_before` its block, `index` in
+    it), or as a table's reader said it (``-1``: it names its file and row)."""
+    if index < 0:
+        return message
+    if piece.kind == "jsonl":
+        return f"{piece.paths[0]}:{lines_before + index + 1}: {message}"
+    return f"{piece.paths[0]}: row {lines_before + index + 1}: {message}"
 
 
 def first_id(piece_index: int, split: str) -> int:
@@ -158,21 +194,20 @@ class PiecePacker:
 
     def __init__(self, piece: Piece, spec: TokenSpec, rows: int):
         self.piece, self.spec = piece, spec
-        pad = pad_id(load_tokenizer(spec.tokenizer, need_chat_template=spec.format == "chat"))
+        pad = pad_id(tokenizer_for_format(spec.tokenizer, spec.format))
         splits = ("all",) if piece.kind == "text" else ("train", "val")
         self.packers: dict[str, Packer] = {
             s: make_packer(spec.packing, spec.seq_len, piece.index << 32 if s == "all" else first_id(piece.index, s),
                            rows, pad) for s in splits}
         self.line = 0  # lines of the blocks added so far
-        self.key = split_key(piece.paths[0], spec.path) if piece.kind == "jsonl" else 0
+        self.key = split_key(piece.paths[0], spec.path) if piece.kind != "text" else 0
         self.documents = self.tokens = 0
 
     def error(self, tokenized: Tokenized) -> str | None:
         """The one-line error of a block's bad line (its file and line), if it has one."""
         if tokenized.error is None:
             return None
-        index, message = tokenized.error
-        return f"{self.piece.paths[0]}:{self.line + index + 1}: {message}"
+        return error_text(self.piece, self.line, *tokenized.error)
 
     def add(self, tokenized: Tokenized) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
         """(split, chunk of windows) that this block completes; DataError at a bad line."""

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMATS", "PACKINGS", "TOKENIZED_KINDS", "SourceSpec", "TokenSpec", "DataInfo", "split_by_file"]
 
-FORMATS = ("text", "prompt_completion", "chat")  # record formats (data/encode.py)
+FORMATS = ("text", "prompt_completion", "chat", "alpaca", "sharegpt")  # record formats (data/encode.py)
 PACKINGS = ("documents", "concat")  # how documents fill windows (data/packing.py)
-TOKENIZED_KINDS = ("jsonl",)  # sources that are always tokenized (text is, with a tokenizer)
+TOKENIZED_KINDS = ("jsonl", "hf_dataset")  # always tokenized (text is with a tokenizer; parquet for lm)
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,11 @@ class TokenSpec:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    instruction_field: str = "instruction"
+    input_field: str = "input"
+    output_field: str = "output"
+    system_field: str = "system"
+    conversations_field: str = "conversations"
     packing: str = "concat"  # documents | concat (`packing.py`)
 
     def __post_init__(self) -> None:
@@ -76,7 +81,12 @@ class SourceSpec:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
-    packing: str = "concat"  # jsonl: documents | concat (`packing.py`)
+    instruction_field: str = "instruction"
+    input_field: str = "input"
+    output_field: str = "output"
+    system_field: str = "system"
+    conversations_field: str = "conversations"
+    packing: str = "concat"  # records: documents | concat (`packing.py`)
     cache_root: str | None = None  # tokenized: where the tokenized datasets are written (`prepared.py`)
     prepared: str | None = None  # tokenized: the manifest of this source's tokenized dataset, once known
 
@@ -96,13 +106,16 @@ class SourceSpec:
                    max_read_rows_per_s=d.max_read_rows_per_s, tokenizer=d.tokenizer_for(m),
                    format=d.format, text_field=d.text_field, prompt_field=d.prompt_field,
                    completion_field=d.completion_field, messages_field=d.messages_field,
+                   instruction_field=d.instruction_field, input_field=d.input_field, output_field=d.output_field,
+                   system_field=d.system_field, conversations_field=d.conversations_field,
                    packing=d.resolved_packing, cache_root=d.cache_root(cfg.run.storage_path),
                    prepared=prepared)
 
     @property
     def tokenized(self) -> bool:
-        """jsonl, or text read through a tokenizer (token ids and a loss mask, not bytes)."""
-        return self.kind in TOKENIZED_KINDS or (self.kind == "text" and self.tokenizer is not None)
+        """Records (jsonl, a Hugging Face dataset, Parquet for a language model), or text
+        read through a tokenizer: token ids and a loss mask, not bytes or table rows."""
+        return self.kind in TOKENIZED_KINDS or (self.kind in ("text", "parquet") and self.tokenizer is not None)
 
     def token_spec(self) -> TokenSpec:
         """What tokenizing and packing depend on (a tokenized source only)."""
@@ -112,6 +125,9 @@ class SourceSpec:
                          seq_len=self.seq_len, val_fraction=self.val_fraction,
                          text_field=self.text_field, prompt_field=self.prompt_field,
                          completion_field=self.completion_field, messages_field=self.messages_field,
+                         instruction_field=self.instruction_field, input_field=self.input_field,
+                         output_field=self.output_field, system_field=self.system_field,
+                         conversations_field=self.conversations_field,
                          packing=self.packing if self.kind != "text" else "concat")
 
     def throttle(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -125,7 +141,7 @@ class SourceSpec:
 def split_by_file(spec: SourceSpec) -> bool:
     """Whether `spec`'s validation split is dealt by `split_keys` (scheme 2): byte-level
     text, Parquet without data.val_path and jsonl, with a validation split at all."""
-    by_file = spec.kind == "jsonl" or (spec.kind == "text" and not spec.tokenized) or (
+    by_file = spec.kind in ("jsonl", "hf_dataset") or (spec.kind == "text" and not spec.tokenized) or (
         spec.kind == "parquet" and not spec.val_path)
     return by_file and spec.val_fraction > 0
 

@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from raytrain_platform.data.pieces import Block, Piece, PiecePacker, Tokenized, source_pieces, tokenize_block
+from raytrain_platform.data.pieces import (Block, Piece, PiecePacker, Tokenized, error_text, source_pieces,
+                                           tokenize_block)
 from raytrain_platform.data.prepared import (Manifest, WindowWriter, dataset_dir, dataset_key, find_manifest, join,
                                              load_manifest)
 from raytrain_platform.data.specs import SourceSpec, TokenSpec
@@ -164,7 +165,7 @@ def tokenize_blocks(batch: dict[str, np.ndarray], *, spec: TokenSpec, staging: s
         fs, local = filesystem(_staged(staging, block))
         with fs.open_output_stream(local) as f:
             f.write(tokenized.to_bytes())
-        line, message = tokenized.error or (-1, "")
+        line, message = tokenized.error or (-2, "")
         for key, value in (("piece", piece.index), ("block", block.index), ("size", block.length or piece.size),
                            ("documents", tokenized.documents), ("tokens", int(tokenized.ids.size)),
                            ("lines", tokenized.lines), ("error_line", line), ("error", message),
@@ -210,8 +211,7 @@ def _first_error(pieces: list[Piece], errors: dict[tuple[int, int], tuple[int, s
     for piece, block in sorted(errors):
         before = [(piece, b) for b in range(block)]
         if all(k in lines for k in before):
-            line, message = errors[(piece, block)]
-            return f"{pieces[piece].paths[0]}:{sum(lines[k] for k in before) + line + 1}: {message}"
+            return error_text(pieces[piece], sum(lines[k] for k in before), *errors[(piece, block)])
     return None
 
 
@@ -232,7 +232,7 @@ def _run_on_ray(spec: SourceSpec, pieces: list[Piece], directory: str, attempt: 
         key = (int(row["piece"]), int(row["block"]))
         lines[key] = int(row["lines"])
         progress.add(int(row["size"]), int(row["documents"]), int(row["tokens"]), str(row["node"]))
-        if int(row["error_line"]) >= 0:
+        if int(row["error_line"]) != -2:  # -1: a table's reader named its row
             errors[key] = (int(row["error_line"]), str(row["error"]))
         said = _first_error(pieces, errors, lines) if errors else None
         if said:
