@@ -54,12 +54,13 @@ class Piece:
     paths: tuple[str, ...]
     size: int
 
-    def blocks(self, block_bytes: int = jsonl.BLOCK_BYTES) -> list[Block]:
-        """Its blocks, in order: byte ranges of a .jsonl file; a table file or a text group whole."""
+    def blocks(self, block_bytes: int | None = None) -> list[Block]:
+        """Its blocks, in order: byte ranges of a .jsonl file (`jsonl.BLOCK_BYTES` each,
+        by default); a table file or a text group whole."""
         if self.kind != "jsonl":
             return [Block(self.index, 0)]
-        return [Block(self.index, i, offset, length)
-                for i, (offset, length) in enumerate(jsonl.byte_ranges(self.size, block_bytes))]
+        ranges = jsonl.byte_ranges(self.size, block_bytes or jsonl.BLOCK_BYTES)
+        return [Block(self.index, i, offset, length) for i, (offset, length) in enumerate(ranges)]
 
 
 def _size(path: str) -> int:

@@ -63,8 +63,8 @@ class _Progress:
         self.next = self.started + PROGRESS_EVERY_S
         self.done = self.bytes = self.documents = self.tokens = 0
         self.nodes: set[str] = set()
-        say(f"tokenizing {len(pieces):,} file(s){' groups' if pieces and pieces[0].kind == 'text' else ''} "
-            f"({_size_text(self.total)}, {self.blocks:,} blocks) {where}")
+        what = "group(s) of text files" if pieces and pieces[0].kind == "text" else "file(s)"
+        say(f"tokenizing {len(pieces):,} {what} ({_size_text(self.total)}, {self.blocks:,} blocks) {where}")
 
     def add(self, size: int, documents: int, tokens: int, node: str = "") -> None:
         self.done, self.bytes = self.done + 1, self.bytes + size
@@ -181,9 +181,9 @@ def pack_pieces(batch: dict[str, np.ndarray], *, spec: TokenSpec, staging: str, 
     for i in range(len(batch["piece"])):
         piece = _piece_of(batch, i)
 
-        def staged(piece: Piece = piece) -> Iterator[Tokenized]:
-            for block in piece.blocks():
-                fs, local = filesystem(_staged(staging, block))
+        def staged(piece: Piece = piece, blocks: int = int(batch["blocks"][i])) -> Iterator[Tokenized]:
+            for index in range(blocks):  # as the driver cut them
+                fs, local = filesystem(_staged(staging, Block(piece.index, index)))
                 with fs.open_input_stream(local) as f:
                     tokenized = Tokenized.from_bytes(f.read())
                 fs.delete_file(local)
@@ -198,7 +198,7 @@ def _items(pieces: list[Piece], *, blocks: bool) -> list[dict]:
     for p in pieces:
         common = {"piece": p.index, "kind": p.kind, "paths": json.dumps(list(p.paths)), "size": p.size}
         if not blocks:
-            rows.append(common)
+            rows.append({**common, "blocks": len(p.blocks())})
             continue
         rows += [{**common, "block": b.index, "offset": b.offset, "length": b.length} for b in p.blocks()]
     return rows
