@@ -215,8 +215,29 @@ def _first_error(pieces: list[Piece], errors: dict[tuple[int, int], tuple[int, s
     return None
 
 
+@contextlib.contextmanager
+def _quiet_ray_data() -> Iterator[None]:
+    """Ray Data's own lines (each execution's plan) left out of the driver's output: the
+    pass says what it does in its own lines."""
+    import logging
+
+    logger = logging.getLogger("ray.data")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _run_on_ray(spec: SourceSpec, pieces: list[Piece], directory: str, attempt: str,
                 say: Callable[[str], None]) -> tuple[list[dict], _Progress]:
+    with _quiet_ray_data():
+        return _stages_on_ray(spec, pieces, directory, attempt, say)
+
+
+def _stages_on_ray(spec: SourceSpec, pieces: list[Piece], directory: str, attempt: str,
+                   say: Callable[[str], None]) -> tuple[list[dict], _Progress]:
     import ray.data
 
     token_spec, staging = spec.token_spec(), join(directory, attempt, "staging")
