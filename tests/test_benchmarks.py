@@ -222,3 +222,11 @@ def test_packing_smoke():
     out = _run(["benchmarks/packing.py", "--smoke"])
     assert "| 129 | " in out and "| documents | " in out and "| concat | " in out
     assert "documents / concat tokens/s:" in out and "wrote" not in out  # smoke writes nothing
+
+
+@pytest.mark.extended  # an embedded Ray, a tokenizer trained, three tokenizing sides: about a minute on 2 cores
+@pytest.mark.slow
+def test_tokenize_pass_smoke():
+    """The tokenizing pass against Ray Data and datasets.map, on 1 MB: every side counts the same tokens."""
+    out = _run(["benchmarks/tokenize_pass.py", "--smoke"])
+    assert "| pass | " in out and "| ray_data | " in out and "| datasets | " in out and "wrote" not in out

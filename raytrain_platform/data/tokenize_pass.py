@@ -38,6 +38,7 @@ from raytrain_platform.errors import DataError
 __all__ = ["prepare", "PROGRESS_EVERY_S"]
 
 PROGRESS_EVERY_S = 10.0  # a pass says how far it is at most this often
+QUIET_S = 5.0  # a pass shorter than this says only what it wrote (or its error)
 
 
 def _say(line: str) -> None:
@@ -53,18 +54,19 @@ def _size_text(n: float) -> str:
 
 
 class _Progress:
-    """Blocks tokenized so far, said every `PROGRESS_EVERY_S` seconds."""
+    """Blocks tokenized so far, said every `PROGRESS_EVERY_S` seconds once the pass has
+    taken `QUIET_S` (a short pass says nothing before its summary)."""
 
     def __init__(self, pieces: list[Piece], where: str, say: Callable[[str], None]):
         self.total = sum(p.size for p in pieces)
         self.blocks = sum(len(p.blocks()) for p in pieces)
         self.where, self.say = where, say
         self.started = time.monotonic()
-        self.next = self.started + PROGRESS_EVERY_S
+        self.next = self.started + QUIET_S
         self.done = self.bytes = self.documents = self.tokens = 0
         self.nodes: set[str] = set()
         what = "group(s) of text files" if pieces and pieces[0].kind == "text" else "file(s)"
-        say(f"tokenizing {len(pieces):,} {what} ({_size_text(self.total)}, {self.blocks:,} blocks) {where}")
+        self.start_line = f"tokenizing {len(pieces):,} {what} ({_size_text(self.total)}, {self.blocks:,} blocks) {where}"
 
     def add(self, size: int, documents: int, tokens: int, node: str = "") -> None:
         self.done, self.bytes = self.done + 1, self.bytes + size
@@ -73,6 +75,9 @@ class _Progress:
             self.nodes.add(node)
         now = time.monotonic()
         if now >= self.next:
+            if self.start_line:
+                self.say(self.start_line)
+                self.start_line = ""
             self.say(f"tokenizing: {self.done:,}/{self.blocks:,} blocks, {_size_text(self.bytes)} of "
                      f"{_size_text(self.total)}, {self.documents:,} documents, {self.tokens:,} tokens "
                      f"({now - self.started:.0f} s)")
