@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 __all__ = ["SCHEME", "MANIFEST", "Manifest", "dataset_key", "dataset_dir", "find_manifest", "load_manifest", "check_cache_root",
-           "WindowWriter", "read_windows", "join"]
+           "WindowWriter", "read_windows", "read_range", "join"]
 
 SCHEME = 1  # the layout and window rules; part of the key
 MANIFEST = "manifest.json"
@@ -238,3 +238,34 @@ def read_windows(manifest: Manifest, piece: int, split: str, rows: int) -> Itera
     except OSError as exc:
         raise DataError(f"{path}: the tokenized dataset cannot be read ({exc}); delete {manifest.dir} to write "
                         "it again") from None
+
+
+def read_range(manifest: Manifest, split: str, start: int, count: int) -> dict[str, np.ndarray]:
+    """Windows ``start`` to ``start + count`` (exclusive) of the whole `split`, its
+    pieces in order (``0 <= start``, ``start + count <= manifest.windows[split]``):
+    what a mixture draws from a source, read from the row groups that hold them."""
+    import pyarrow.parquet as pq
+
+    parts, first = [], 0
+    for piece in manifest.pieces(split):
+        n = manifest.content["pieces"][piece][split]
+        lo, hi = max(start, first), min(start + count, first + n)
+        if lo < hi:
+            path = manifest.file(piece, split)
+            fs, local = filesystem(path)
+            with fs.open_input_file(local) as f:
+                reader = pq.ParquetFile(f)
+                row = 0
+                for g in range(reader.num_row_groups):
+                    rows = reader.metadata.row_group(g).num_rows
+                    a, b = max(lo - first, row), min(hi - first, row + rows)
+                    if a < b:
+                        group = _numpy(reader.read_row_group(g))
+                        parts.append({k: v[a - row:b - row] for k, v in group.items()})
+                    row += rows
+        first += n
+        if first >= start + count:
+            break
+    if not parts:
+        raise ValueError(f"windows {start}..{start + count} of {split} are not in {manifest.dir}")
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
