@@ -121,9 +121,10 @@ class JobConfig:
         elif self.data.source == "parquet":
             check_field(task != "lm", "data.source", "parquet",
                    "'text', 'jsonl' or 'synthetic' for an lm model (Parquet input is tabular)")
-        if self.data.source == "jsonl":
+        if self.data.source == "jsonl" or self.data.sources is not None:  # a mixture draws token windows
+            what = "data.sources" if self.data.sources is not None else "data.source jsonl"
             check_field(self.data.tokenizer_for(self.model) is not None, "data.tokenizer", None,
-                   f"a local tokenizer folder for data.source jsonl (model '{self.model.name}' "
+                   f"a local tokenizer folder for {what} (model '{self.model.name}' "
                    "has no tokenizer of its own)")
 
     @property
