@@ -86,8 +86,9 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None, *,
     cfg = _resolve_packing(cfg, family)
     spec = SourceSpec.from_config(cfg)
     if spec.tokenized:  # the tokenizer loads, has what the format needs and fits the model
-        check_fits(spec.token_spec(), vocab_size=family.vocab_size(cfg.model.kwargs),
-                   max_positions=family.max_seq_len(cfg.model.kwargs))
+        for part in spec.parts or (spec,):  # a mixture: each of its sources
+            check_fits(part.token_spec(), vocab_size=family.vocab_size(cfg.model.kwargs),
+                       max_positions=family.max_seq_len(cfg.model.kwargs))
         assert spec.cache_root
         check_cache_root(spec.cache_root)
     # Tabular sources are looked at first (their shape fills the model's sizes); a

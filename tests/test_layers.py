@@ -215,12 +215,13 @@ DATA_LAYERS: list[set[str]] = [
     {"ray_data", "local"},  # Ray Data pipelines; the Ray-free torchrun reader
     {"dealing", "generate"},  # who reads which micro-batch; `rtp make-data`
     {"sources"},  # the front door
+    {"mixed"},  # a mixture's dataset: its sources' datasets, drawn by mixture.py's plan
     {"tokenize_pass"},  # the pass that writes a tokenized dataset
     {"prepared"},  # a written dataset: key, manifest, windows
     {"pieces"},  # a tokenized source in pieces and blocks
     {"jsonl", "tables", "text_groups", "raw"},  # one reader per source
     {"parquet"},  # tabular Parquet (its files are listed for tables too)
-    {"encode", "packing"},  # tokenizing records, packing documents
+    {"encode", "packing", "mixture"},  # tokenizing records, packing documents, a mixture's plan
     {"specs"},  # plain specs
     {"splits"},  # file systems, the split's rules
     {"__init__"},

@@ -214,3 +214,77 @@ def test_a_hugging_face_dataset_and_parquet_records_pack_as_their_jsonl(corpus, 
     with pytest.raises(DataError, match="role 'assistant'") as exc:
         describe(SourceSpec(kind="parquet", path=str(tmp_path / "pq"), **common), on_ray=False)
     assert str(exc.value).startswith(f"{tmp_path / 'pq' / 'part-0.parquet'}: row 41: ") and "\n" not in str(exc.value)
+
+
+def _mixture_config(corpus: dict, tmp: Path, name: str, **train) -> dict:
+    from conftest import job_config
+
+    return job_config(tmp, name, dict(
+        model={"name": "user_models:tiny_llama", "task": "lm", "kwargs": {"vocab_size": 512, "max_positions": 64}},
+        data={"source": "jsonl", "format": "chat", "tokenizer": str(corpus["tok"]), "batch_size": 4, "seq_len": 16,
+              "val_fraction": 0.1, "cache_path": str(tmp / "datasets"),
+              "sources": [{"path": str(corpus["chat"]), "weight": 0.98},
+                          {"path": str(corpus["text"]), "format": "text", "weight": 0.02}]},
+        train={"max_steps": 6, "lr": 3e-3, "lr_schedule": "constant", "seed": 0, **train},
+        run={"checkpoint_every": 3, "eval_every": 3}))
+
+
+def test_a_mixture_draws_by_weight_every_window_of_every_source(corpus, tmp_path):
+    """Two sources at 98% and 2%, tokenized each by its own pass: over the first 10,000
+    windows of the epoch the small source's share is within 1% of 2%; the epoch holds
+    every window of both (the small one cycled); ids say the source; validation is each
+    source's own split, in order."""
+    from raytrain_platform.config import load_config
+    from raytrain_platform.data.mixture import local_id, source_of
+    from raytrain_platform.resolve import resolve_job
+
+    job = resolve_job(load_config(_mixture_config(corpus, tmp_path, "mix")))
+    spec = SourceSpec.from_config(job.config, prepared=job.data.prepared)
+    train = {k: np.concatenate([b[k] for b in iter_source(spec, "train")]) for k in ("sample_id", "tokens")}
+    assert len(train["sample_id"]) == job.data.num_train >= 10_000
+    source = source_of(train["sample_id"])
+    assert abs((source[:10_000] == 1).mean() - 0.02) < 0.01
+    parts = [dataclasses.replace(p, prepared=describe(p, on_ray=False).prepared) for p in spec.parts]
+    for k, part in enumerate(parts):
+        own = np.concatenate([b["sample_id"] for b in iter_source(part, "train")])
+        drawn = local_id(train["sample_id"][source == k])
+        assert set(drawn.tolist()) == set(own.tolist())  # every window, at least once
+        assert np.array_equal(drawn[:len(own)], own)  # in the source's order
+    val = np.concatenate([b["sample_id"] for b in iter_source(spec, "val")])
+    own_val = [np.concatenate([b["sample_id"] for b in iter_source(p, "val")]) for p in parts]
+    assert np.array_equal(local_id(val), np.concatenate(own_val)) and len(val) == job.data.num_val
+    assert source_of(val).tolist() == [0] * len(own_val[0]) + [1] * len(own_val[1])
+
+
+def test_a_resumed_mixture_run_continues_the_same_sequence(corpus, tmp_path):
+    """Under torchrun: 3 steps, then the same run resumed to 6, trains on what 6 steps in
+    one go train on (the same losses at steps 4 to 6: the data, not only the count)."""
+    from conftest import torchrun_metrics
+
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    whole = torchrun_metrics(_mixture_config(corpus, tmp_path / "a", "whole"), tmp_path / "whole.yaml", 1, env=env)
+    torchrun_metrics(_mixture_config(corpus, tmp_path / "b", "resumed", max_steps=3), tmp_path / "r3.yaml", 1,
+                     env=env)
+    resumed = torchrun_metrics(_mixture_config(corpus, tmp_path / "b", "resumed"), tmp_path / "r6.yaml", 1, env=env)
+    losses = {r["step"]: r["loss"] for r in whole if "loss" in r}
+    again = {r["step"]: r["loss"] for r in resumed if "loss" in r}
+    assert [s for s in again if s > 3] == [4, 5, 6]
+    assert all(again[s] == losses[s] for s in (4, 5, 6)), (again, losses)
+
+
+@pytest.mark.ray
+def test_ray_data_reads_a_mixture_in_the_same_order(ray_cluster, corpus, tmp_path):
+    """The read tasks (a piece per 64 chunks of positions; one task over all of them for a
+    dealt split) give the Ray-free reader's sequence."""
+    from raytrain_platform.config import load_config
+    from raytrain_platform.data.ray_data import _source_dataset, ingest_options
+    from raytrain_platform.resolve import resolve_job
+
+    job = resolve_job(load_config(_mixture_config(corpus, tmp_path, "mix")))
+    spec = SourceSpec.from_config(job.config, prepared=job.data.prepared)
+    for split, one_task in (("train", False), ("train", True), ("val", False)):
+        want = np.concatenate([b["sample_id"] for b in iter_source(spec, split)])
+        ds = _source_dataset(spec, split, (), rows=4 if one_task else None, one_task=one_task)
+        ds.context.execution_options = ingest_options()
+        got = np.concatenate([b["sample_id"] for b in ds.iter_batches(batch_size=None, batch_format="numpy")])
+        assert np.array_equal(got, want), (split, one_task)

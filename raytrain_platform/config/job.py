@@ -120,9 +120,10 @@ class JobConfig:
                    f"synthetic) for a {task} model; {self.data.source} needs an lm model")
         elif self.data.source == "parquet":
             self._check_parquet(task)
-        if self.data.reads_records(self.model):
+        if self.data.reads_records(self.model) or self.data.sources is not None:  # token windows
+            what = "data.sources" if self.data.sources is not None else f"data.source {self.data.source}"
             check_field(self.data.tokenizer_for(self.model) is not None, "data.tokenizer", None,
-                   f"a local tokenizer folder for data.source {self.data.source} (model '{self.model.name}' "
+                   f"a local tokenizer folder for {what} (model '{self.model.name}' "
                    "has no tokenizer of its own)")
 
     def _check_parquet(self, task: str | None) -> None:

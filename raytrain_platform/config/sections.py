@@ -9,7 +9,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, NamedTuple, Union
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.models.family import TASKS
@@ -20,11 +20,12 @@ from raytrain_platform.parallel.registry import STRATEGIES, strategy_names
 from raytrain_platform.units import parse_size
 
 __all__ = ["ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "ScalingConfig", "RunConfig",
-           "SECTIONS", "Section", "TRACKERS", "check_field"]
+           "SECTIONS", "Section", "SourceEntry", "TRACKERS", "MAX_MIX_SOURCES", "check_field"]
 
 _REQUIRED: Any = dataclasses.MISSING
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # fullmatch: "$" lets a final newline in
 MAX_SYNTHETIC = 100_000_000
+MAX_MIX_SOURCES = 256  # data/mixture.py's MAX_SOURCES: sample ids keep 8 bits for the source
 SEED_LIMIT = 2**32  # numpy's and every generator's range; torch takes it too
 SEED_ALLOWED = "an integer from 0 to 2**32 - 1"
 # Experiment trackers `run.tracking` accepts; raytrain_platform/tracking/ implements each.
@@ -82,6 +83,13 @@ class ModelConfig:
         """`task` as ``__post_init__`` settled it (the family's own when the config gave none)."""
         assert self.task is not None, "ModelConfig.__post_init__ resolves the task from its family"
         return self.task
+
+
+class SourceEntry(NamedTuple):
+    """One entry of ``data.sources``: its weight, and the config its source is read with."""
+
+    weight: float
+    data: "DataConfig"
 
 
 @dataclass
@@ -195,9 +203,18 @@ class DataConfig:
     every format but `text` where the model is shown to keep packed documents apart (`hf` architectures
     but OPT; user models whose forward takes `position_ids`), else `concat`. Not with `parallel.pp_size > 1`.
     See [data.md](data.md#packing-documents-or-one-stream)."""
+    sources: Union[list[dict], None] = None
+    """A weighted mixture, in place of `data.path`: a list of entries `{path, weight, source, format,
+    text_field, prompt_field, completion_field, messages_field}`, each a source read by its own rules. `path`
+    is required; `weight` is a number > 0 (default 1); the others default to the `data` keys of the same
+    names (`source`: `jsonl`, `text`, `hf_dataset` or `parquet`). Each epoch draws from the sources in proportion to their weights,
+    the same sequence every epoch, until every window of every source has been drawn (a small source is
+    cycled); sample ids say the source; validation is each source's own split, in order, unweighted. At most
+    256 entries. See [data.md](data.md#mixtures)."""
 
     _ALLOWED: ClassVar[dict[str, str]] = {
-        "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)"}
+        "batch_size": "an integer >= 1, or 'auto' (with train.global_batch_size)",
+        "sources": "a list of mappings {path, weight, ...} (a mixture), or null"}
 
     _SOURCES: ClassVar[tuple[str, ...]] = ("parquet", "synthetic", "text", "jsonl", "hf_dataset")
     # Sources of records in data.format (parquet's with an lm model only: JobConfig checks it).
@@ -206,6 +223,8 @@ class DataConfig:
     _FIELDS: ClassVar[tuple[str, ...]] = ("text_field", "prompt_field", "completion_field", "messages_field",
                                           "instruction_field", "input_field", "output_field", "system_field",
                                           "conversations_field")
+    MIX_SOURCES: ClassVar[tuple[str, ...]] = ("jsonl", "text", "hf_dataset", "parquet")  # tokenized: data/mixture.py
+    _ENTRY_KEYS: ClassVar[tuple[str, ...]] = ("path", "weight", "source", "format", *_FIELDS)
 
     def __post_init__(self) -> None:
         check_field(self.source in self._SOURCES, "data.source", self.source, f"one of {list(self._SOURCES)}")
@@ -219,15 +238,15 @@ class DataConfig:
             check_field(bool(self.tokenizer), "data.tokenizer", self.tokenizer, "a tokenizer folder, or null")
         for name in self._FIELDS:
             check_field(bool(getattr(self, name)), f"data.{name}", getattr(self, name), "a JSON field name")
-        check_field(self.source != "jsonl" or bool(self.path), "data.path", self.path,
+        check_field(self.source != "jsonl" or bool(self.path) or self.sources is not None, "data.path", self.path,
                "a .jsonl file, a folder of them or a URI when data.source is jsonl")
-        check_field(self.source != "hf_dataset" or bool(self.path), "data.path", self.path,
+        check_field(self.source != "hf_dataset" or bool(self.path) or self.sources is not None, "data.path", self.path,
                "a datasets save_to_disk folder, .arrow files or a URI when data.source is hf_dataset")
         check_field(self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
                "data.batch_size", self.batch_size, self._ALLOWED["batch_size"])
         check_field(self.cache_path is None or bool(self.cache_path), "data.cache_path", self.cache_path,
                "a folder or pyarrow URI, or null (<run.storage_path>/datasets)")
-        check_field(self.source != "parquet" or bool(self.path), "data.path", self.path,
+        check_field(self.source != "parquet" or bool(self.path) or self.sources is not None, "data.path", self.path,
                "a folder or URI of Parquet files when data.source is parquet")
         check_field(self.val_path is None or self.source == "parquet", "data.val_path", self.val_path,
                f"null for data.source {self.source} (a separate validation path is read for parquet; "
@@ -258,6 +277,51 @@ class DataConfig:
                f"{', '.join(self.RECORD_SOURCES)})")
         check_field(self.feature_columns is None or len(self.feature_columns) > 0,
                "data.feature_columns", self.feature_columns, "a non-empty list of column names or null")
+        self._check_sources()
+
+    def _check_sources(self) -> None:
+        """`sources`: no `path` beside it, 1 to `MAX_MIX_SOURCES` entries, each valid by its own source's rules."""
+        if self.sources is None:
+            return
+        check_field(self.path is None, "data.path", self.path, "null when data.sources is set (each entry has a path)")
+        check_field(1 <= len(self.sources) <= MAX_MIX_SOURCES, "data.sources",
+                    f"{len(self.sources)} entries" if self.sources else self.sources,
+                    f"a list of 1 to {MAX_MIX_SOURCES} entries, or null")
+        check_field(self.source in self.MIX_SOURCES, "data.source", self.source,
+                    f"one of {list(self.MIX_SOURCES)} with data.sources (the source its entries default to)")
+        self.source_entries()
+
+    def source_entries(self) -> list["SourceEntry"]:
+        """Every entry of `sources` (`source_entry`), in order; empty without a mixture."""
+        return [self.source_entry(index) for index in range(len(self.sources or []))]
+
+    def source_entry(self, index: int) -> "SourceEntry":
+        """Entry `index` of `sources`: its weight, and its source's own config (this one, with the entry's
+        keys and no `sources`), checked by that source's rules; a bad key is one line naming the entry.
+
+        >>> d = DataConfig(source="jsonl", batch_size=8, sources=[{"path": "a.jsonl", "weight": 3}])
+        >>> d.source_entry(0).weight, d.source_entry(0).data.path
+        (3.0, 'a.jsonl')
+        """
+        entry, where = (self.sources or [])[index], f"data.sources[{index}]"
+        for key, value in entry.items():
+            check_field(key in self._ENTRY_KEYS, f"{where}.{key}", value,
+                        f"no such key; an entry's keys are {list(self._ENTRY_KEYS)}")
+            check_field(key == "weight" or (isinstance(value, str) and bool(value)), f"{where}.{key}", value,
+                        "a non-empty string")
+        check_field("path" in entry, f"{where}.path", None, "a file, folder or URI (required)")
+        weight = entry.get("weight", 1)
+        check_field(isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < float("inf"),
+                    f"{where}.weight", weight, "a number > 0")
+        check_field(entry.get("source", self.source) in self.MIX_SOURCES, f"{where}.source", entry.get("source"),
+                    f"one of {list(self.MIX_SOURCES)} (a tokenized source)")
+        try:
+            data = dataclasses.replace(self, sources=None, **{k: v for k, v in entry.items() if k != "weight"})
+        except ConfigError as exc:  # the source's own rule, said of the entry
+            key = exc.field.removeprefix("data.")
+            field_ = f"{where}.{key}" if key in self._ENTRY_KEYS else f"{exc.field} (for {where})"
+            raise ConfigError(field_, exc.value, exc.allowed) from None
+        return SourceEntry(float(weight), data)
 
     @property
     def micro_batch(self) -> int:

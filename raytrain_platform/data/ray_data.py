@@ -125,7 +125,7 @@ def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
         # chunk, not a whole file. Ray Data's output buffer (a public setting) cuts a
         # block once it holds more than this many bytes and slices any of 1.5x or more:
         # a chunk is 1.25x it.
-        ds.context.target_max_block_size = _chunk_bytes(rows, spec.seq_len, spec.token_spec().packing) * 4 // 5
+        ds.context.target_max_block_size = _chunk_bytes(rows, spec.seq_len, spec.window_packing) * 4 // 5
         limit_streaming_blocks(ds.context, _TOKEN_BLOCKS_AHEAD)
         return ds
     if spec.kind == "text":

@@ -23,13 +23,14 @@ from typing import Iterator
 
 import numpy as np
 
+from raytrain_platform.data.mixed import is_mixture, mixture_pieces, mixture_windows, prepare_mixture
 from raytrain_platform.data.packing import joined
 from raytrain_platform.data.prepared import Manifest, load_manifest, read_windows
 from raytrain_platform.data.raw import synthetic_ids, synthetic_rows, text_split, text_windows
 from raytrain_platform.data.specs import DataInfo, SourceSpec, split_by_file
 from raytrain_platform.data.splits import (VAL_SPLIT, default_text_root, filesystem, rebatch, split_key, split_keys,
                                            split_mask, text_files)
-from raytrain_platform.data.tokenize_pass import prepare
+from raytrain_platform.data.tokenize_pass import prepare, say
 
 __all__ = [
     # re-exported: what readers of a source use
@@ -52,7 +53,8 @@ def describe(spec: SourceSpec, *, on_ray: bool | None = None) -> DataInfo:
     tokenized source's are its dataset's, written by the tokenizing pass first if no
     pass has (on Ray where `on_ray`, default: where this process is connected)."""
     if spec.tokenized:
-        manifest = prepare(spec, on_ray=on_ray)
+        manifest = (prepare_mixture(spec, on_ray=on_ray, say=say) if spec.kind == "mixture" else
+                    prepare(spec, on_ray=on_ray))
         return DataInfo(num_train=manifest.windows["train"], num_val=manifest.windows["val"],
                         truncated=manifest.content["truncated"], prepared=manifest.dir)
     if spec.kind == "text":
@@ -71,15 +73,20 @@ def describe(spec: SourceSpec, *, on_ray: bool | None = None) -> DataInfo:
 
 
 def token_pieces(spec: SourceSpec, split: str) -> list[int]:
-    """The pieces of a tokenized source's dataset with `split` windows, in order."""
-    return prepared(spec).pieces(split)
+    """The pieces of a tokenized source's dataset with `split` windows, in order (a
+    mixture's: its training epoch's groups of chunks, its sources' validation splits)."""
+    manifest = prepared(spec)
+    return mixture_pieces(manifest, split) if is_mixture(manifest) else manifest.pieces(split)
 
 
 def token_windows(piece: int, spec: SourceSpec, split: str, *, rows: int) -> Iterator[dict[str, np.ndarray]]:
     """A piece's `split` windows from the tokenized dataset, `rows` at a time:
     tokens int32 and loss_mask uint8 (n, seq_len), sample_id (n,), with ``data.packing:
     documents`` position_ids int32 (n, seq_len)."""
-    for chunk in read_windows(prepared(spec), piece, split, rows):
+    manifest = prepared(spec)
+    chunks = (mixture_windows(manifest, piece, split, rows) if is_mixture(manifest) else
+              read_windows(manifest, piece, split, rows))
+    for chunk in chunks:
         yield spec.throttle(chunk)
 
 

@@ -16,6 +16,7 @@ from raytrain_platform.errors import ConfigError
 
 if TYPE_CHECKING:
     from raytrain_platform.config import JobConfig
+    from raytrain_platform.config.sections import DataConfig
 
 __all__ = ["FORMATS", "PACKINGS", "TOKENIZED_KINDS", "SourceSpec", "TokenSpec", "DataInfo", "split_by_file"]
 
@@ -88,12 +89,28 @@ class SourceSpec:
     conversations_field: str = "conversations"
     packing: str = "concat"  # records: documents | concat (`packing.py`)
     cache_root: str | None = None  # tokenized: where the tokenized datasets are written (`prepared.py`)
-    prepared: str | None = None  # tokenized: the manifest of this source's tokenized dataset, once known
+    prepared: str | None = None  # tokenized: the folder of this source's tokenized dataset, once known
+    parts: tuple["SourceSpec", ...] = ()  # a mixture (kind "mixture"): its sources, in order
+    weights: tuple[float, ...] = ()  # a mixture: their weights
 
     @classmethod
     def from_config(cls, cfg: "JobConfig", *, prepared: str | None = None) -> "SourceSpec":
-        """The config's source; `prepared`: its tokenized dataset's manifest (`DataInfo.prepared`)."""
-        d, m, tokens = cfg.data, cfg.model, cfg.seq_len  # tokens: None unless lm (then required)
+        """The config's source; `prepared`: its tokenized dataset (`DataInfo.prepared`).
+        ``data.sources`` makes a mixture (kind ``mixture``): each entry its own spec; the
+        mixture's draws are seeded by ``data.shuffle_seed`` (default ``train.seed``)."""
+        d = cfg.data
+        if d.sources is None:
+            return cls._of(cfg, d, prepared)
+        entries = d.source_entries()
+        seed = d.shuffle_seed if d.shuffle_seed is not None else cfg.train.seed
+        return cls(kind="mixture", task=cfg.model.resolved_task, val_fraction=d.val_fraction,
+                   seq_len=cls._of(cfg, d, None).seq_len, seed=seed, cache_root=d.cache_root(cfg.run.storage_path),
+                   prepared=prepared, parts=tuple(cls._of(cfg, e.data, None) for e in entries),
+                   weights=tuple(e.weight for e in entries))
+
+    @classmethod
+    def _of(cls, cfg: "JobConfig", d: "DataConfig", prepared: str | None) -> "SourceSpec":
+        m, tokens = cfg.model, cfg.seq_len  # tokens: None unless lm (then required)
         seq_len = tokens + 1 if tokens is not None else 0  # + 1: targets are inputs shifted by one
         # The default text root resolved here, on the driver: every process then splits
         # (and reads) the files the driver listed under the same root.
@@ -115,7 +132,8 @@ class SourceSpec:
     def tokenized(self) -> bool:
         """Records (jsonl, a Hugging Face dataset, Parquet for a language model), or text
         read through a tokenizer: token ids and a loss mask, not bytes or table rows."""
-        return self.kind in TOKENIZED_KINDS or (self.kind in ("text", "parquet") and self.tokenizer is not None)
+        return self.kind in TOKENIZED_KINDS or self.kind == "mixture" or (
+            self.kind in ("text", "parquet") and self.tokenizer is not None)
 
     def token_spec(self) -> TokenSpec:
         """What tokenizing and packing depend on (a tokenized source only)."""
@@ -129,6 +147,14 @@ class SourceSpec:
                          output_field=self.output_field, system_field=self.system_field,
                          conversations_field=self.conversations_field,
                          packing=self.packing if self.kind != "text" else "concat")
+
+    @property
+    def window_packing(self) -> str:
+        """How a tokenized source's windows were packed: ``documents`` where they carry
+        position ids (a mixture's, where any of its sources' do), else ``concat``."""
+        if self.kind == "mixture":
+            return "documents" if any(p.window_packing == "documents" for p in self.parts) else "concat"
+        return self.token_spec().packing
 
     def throttle(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Sleep as long as reading these rows takes at ``max_read_rows_per_s`` (no-op

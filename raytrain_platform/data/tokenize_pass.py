@@ -35,13 +35,14 @@ from raytrain_platform.data.specs import SourceSpec, TokenSpec
 from raytrain_platform.data.splits import filesystem
 from raytrain_platform.errors import DataError
 
-__all__ = ["prepare", "PROGRESS_EVERY_S"]
+__all__ = ["prepare", "say", "PROGRESS_EVERY_S", "QUIET_S"]
 
 PROGRESS_EVERY_S = 10.0  # a pass says how far it is at most this often
 QUIET_S = 5.0  # a pass shorter than this says only what it wrote (or its error)
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
+    """How the pass says what it does: a line on stderr."""
     print(line, file=sys.stderr, flush=True)
 
 
@@ -284,7 +285,7 @@ def _ray_is_up() -> bool:
     return ray.is_initialized()
 
 
-def prepare(spec: SourceSpec, *, on_ray: bool | None = None, say: Callable[[str], None] = _say) -> Manifest:
+def prepare(spec: SourceSpec, *, on_ray: bool | None = None, say: Callable[[str], None] = say) -> Manifest:
     """The tokenized dataset of `spec`: found under its cache root if a pass wrote it,
     else written now, on Ray (`on_ray`; default: when this process is connected) or in
     this process. Says what it wrote (or found) in one line. DataError at a bad record
