@@ -330,7 +330,7 @@ from raytrain_platform.data.sources import SourceSpec, describe
 jsonl.BLOCK_BYTES = 64 << 10  # ranges the driver cuts: many tasks per file
 ray.init(address="{address}", logging_level="ERROR", log_to_driver=False)
 out = {{}}
-for name, path in (("small", "{small}"), ("large", "{large}")):
+for name, path in (("warm", "{small}"), ("large", "{large}")):  # warm: imports and Ray Data's first run
     spec = SourceSpec(kind="jsonl", task="lm", val_fraction=0.1, seq_len=129, path=path, format="chat",
                       tokenizer="{tok}", packing="documents", cache_root="{cache}")
     tracemalloc.start()
@@ -358,15 +358,15 @@ print(json.dumps(collections.Counter(t.node_id for t in tasks)))
 
 def test_the_tokenizing_pass_runs_on_every_node_once(cluster, tmp_path):
     """The tokenizing pass of a JSONL cut into many byte ranges runs its tasks on both
-    worker nodes (Ray's own task records); the driver's memory does not grow with the
-    corpus (its traced peak for 16x the records); a training run on that data reads the
-    written windows: no tokenizing task runs again."""
+    worker nodes (Ray's own task records); the driver holds no window (its traced peak,
+    for 48x the records, is a small part of their windows); a training run on that data
+    reads the written windows: no tokenizing task runs again."""
     from raytrain_platform.tools import tiny_llm
 
     tiny = tiny_llm.make_all(tmp_path / "tiny", samples=600)
     small = tiny["chat"]
     large = tmp_path / "large.jsonl"
-    large.write_text(small.read_text() * 16)
+    large.write_text(small.read_text() * 48)
     script = _TOKENIZE.format(address=cluster["address"], dashboard=cluster["dashboard"], small=small, large=large,
                               tok=tiny["tokenizer"], cache=tmp_path / "datasets")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_client_env(),
@@ -375,17 +375,18 @@ def test_the_tokenizing_pass_runs_on_every_node_once(cluster, tmp_path):
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     per_node = found["tokenize_tasks_per_node"]
     workers = {cluster["node_ids"]["node_1"], cluster["node_ids"]["node_2"]}
-    print(f"tokenizing tasks per node: {per_node}; driver peaks {found['small']['peak']:,} B "
-          f"({found['small']['windows']:,} windows) and {found['large']['peak']:,} B ({found['large']['windows']:,})")
+    window_bytes = found["large"]["windows"] * 129 * 9  # int32 tokens and positions, a uint8 mask
+    print(f"tokenizing tasks per node: {per_node}; the driver's traced peak for the large corpus "
+          f"{found['large']['peak']:,} B, its windows {window_bytes:,} B ({found['large']['windows']:,})")
     assert set(per_node) == workers and min(per_node.values()) >= 10, per_node  # the head has no CPU
-    window_bytes = found["large"]["windows"] * 129 * 6  # int32 tokens, uint8 mask, int32 positions... at least
-    assert found["large"]["windows"] > 15 * found["small"]["windows"]
-    assert found["large"]["peak"] - found["small"]["peak"] < window_bytes / 10, found
+    assert found["large"]["windows"] > 45 * found["warm"]["windows"]
+    assert found["large"]["peak"] < window_bytes / 8, found  # rows per range and per file, no window
     # Training on the large corpus, on the cluster: the dataset is read, never tokenized again.
     cfg = {"model": {"name": "hf", "kwargs": {"path": str(tiny["model"])}},
            "data": {"source": "jsonl", "path": str(large), "format": "chat", "batch_size": 4, "seq_len": 128,
                     "val_fraction": 0.1, "cache_path": str(tmp_path / "datasets")},
-           "scaling": {"num_workers": 2, "cpus_per_worker": 1}, "train": {"max_steps": 3, "lr": 1e-3},
+           "scaling": {"num_workers": 2, "cpus_per_worker": 1}, "parallel": {"strategy": "ddp"},
+           "train": {"max_steps": 3, "lr": 1e-3},
            "run": {"name": "read", "storage_path": str(tmp_path / "runs"), "eval_every": 3, "checkpoint_every": 3}}
     train = _rtp_train(cfg, tmp_path / "read.yaml", cluster["address"])
     _finish(train, tmp_path / "read.log")
