@@ -194,7 +194,8 @@ def test_requests_are_checked_against_the_context_and_the_deployment_limits():
             return exc.status_code, exc.detail
         return 200, ""
 
-    ids, params = prepare(CompletionRequest.model_validate({"prompt": "abcdefghijkl"}), entry, tok, max_new_tokens=8)
+    [(ids, params)] = prepare(CompletionRequest.model_validate({"prompt": "abcdefghijkl"}), entry, tok,
+                              max_new_tokens=8)
     assert len(ids) == 12 and params.max_tokens == 4 and params.stop_token_ids == (0,)  # default 16, room 4
     assert status({"prompt": "a" * 16})[1] == "prompt: 16 tokens; this model's maximum context length is 16 tokens " \
                                                "(prompt and completion together)"
@@ -265,13 +266,14 @@ def test_a_token_the_tokenizer_cannot_decode_ends_that_request_only():
 
 
 def test_an_error_in_a_stream_is_one_event_of_one_line_then_done():
-    from raytrain_platform.serve.openai_api import stream_events
+    from raytrain_platform.serve.openai_api import answer
     from raytrain_platform.serve.openai_schemas import CompletionRequest
 
     async def run() -> list[str]:
-        body = CompletionRequest.model_validate({"prompt": "hi", "stream": True})
-        return [event async for event in stream_events(body, "m", _byte_engine(_Refuses()), list(b"hi"),
-                                                        SamplingParams(max_tokens=2))]
+        body = CompletionRequest.model_validate({"prompt": "hi", "stream": True, "max_tokens": 2})
+        entry = {"id": "m", "context_len": 8, "kv_cache": False, "stop_token_ids": []}
+        stream = await answer(body, entry, ByteTokenizer(), _byte_engine(_Refuses()), max_new_tokens=8, step=0)
+        return [event async for event in stream]
 
     events = asyncio.run(run())
     assert len(events) == 2 and events[-1] == "data: [DONE]\n\n", events
@@ -445,8 +447,8 @@ def test_typed_errors_in_openai_shape_and_the_server_lives_on(client, served):
          "prompt"),
         (openai.BadRequestError, {"model": "tiny", "prompt": "a", "max_tokens": 65}, "at most 64", "max_tokens"),
         (openai.BadRequestError, {"model": "tiny", "prompt": "a", "temperature": 3}, "temperature", "temperature"),
-        (openai.BadRequestError, {"model": "tiny", "prompt": "a", "n": 2}, "n = 1 only", "n"),
-        (openai.BadRequestError, {"model": "tiny", "prompt": "a", "n": 0}, "n = 1 only", "n"),
+        (openai.BadRequestError, {"model": "tiny", "prompt": "a", "n": 17}, "n: 17 is out of range: 1..16", "n"),
+        (openai.BadRequestError, {"model": "tiny", "prompt": "a", "n": 0}, "n: 0 is out of range: 1..16", "n"),
         (openai.BadRequestError, {"model": "tiny", "prompt": ""}, "non-empty", "prompt"),
         (openai.BadRequestError, {"model": "sweep/a", "prompt": "a", "extra_body": {"colour": 1}}, "colour", "colour"),
         # a field of two types names the field, and what each type needed (not pydantic's
