@@ -297,6 +297,9 @@ def test_logprobs_equal_a_transformers_forward_batched_or_alone_streamed_or_not(
             for key in merged["logprobs"]:
                 merged["logprobs"][key] += (c["logprobs"] or {}).get(key, [])
     assert check(list(streamed.values())) == batched
+    for choice in whole["choices"]:  # the chunks' lists, joined, are the whole answer's
+        for key in ("tokens", "text_offset"):
+            assert streamed[choice["index"]]["logprobs"][key] == choice["logprobs"][key], key
     # chat: content logprobs of each choice against the rendered conversation's forward
     messages = [{"role": "user", "content": "Say something."}]
     prompt = tok.encode_rendered(tok.render_chat(messages))

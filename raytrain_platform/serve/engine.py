@@ -53,7 +53,7 @@ from torch import nn
 
 from raytrain_platform.serve.decode import KVCacheBatch, RecomputeBatch
 from raytrain_platform.serve.inference import tempered
-from raytrain_platform.serve.text import TextStream, Tokenizer
+from raytrain_platform.serve.text import ByteTokenizer, TextStream, Tokenizer
 
 __all__ = ["Completion", "Delta", "GenerationEngine", "SamplingParams", "TokenLogprob", "sample_next"]
 
@@ -107,8 +107,8 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, counts: dict[int, int
     `counts`, the tokens generated so far) added, and `constraint`'s mask applied."""
     out = logits.clone()
     if params.logit_bias:
-        ids, bias = zip(*params.logit_bias)
-        out[list(ids)] += torch.tensor(bias, dtype=out.dtype)
+        biased, bias = zip(*params.logit_bias)
+        out[list(biased)] += torch.tensor(bias, dtype=out.dtype)
     if counts and (params.presence_penalty or params.frequency_penalty):
         ids = list(counts)
         count = torch.tensor([counts[i] for i in ids], dtype=out.dtype)
@@ -192,6 +192,7 @@ class GenerationEngine:
         if params.grammar is not None:
             from raytrain_platform.serve.structured import Constraint
 
+            assert self.vocab_size is not None  # openai_api refuses response_format otherwise
             constraint = Constraint(params.grammar, self.vocab_size)
         request = _Request(prompt, params, TextStream(self.tokenizer, params.stop, prompt), seed,
                            torch.Generator().manual_seed(seed), constraint)
@@ -339,13 +340,13 @@ class GenerationEngine:
 
 
 def _vocab_size(model: nn.Module, tokenizer: Tokenizer) -> int | None:
-    """Logits per position: the model config's ``vocab_size`` (Hugging Face), else the
-    output embedding's rows; None when neither tells."""
+    """The ids a request may name (prompt ids, ``logit_bias`` keys): the model config's
+    ``vocab_size`` (Hugging Face); 256 for a byte-level tokenizer (no other id decodes);
+    None when neither tells."""
     size = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(size, int):
         return size
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return int(head.weight.shape[0]) if head is not None and hasattr(head, "weight") else None
+    return 256 if isinstance(tokenizer, ByteTokenizer) else None
 
 
 async def _inline(fn: Callable, *args: Any) -> Any:

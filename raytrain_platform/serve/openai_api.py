@@ -154,7 +154,8 @@ def _choices(body: Request, prepared: list[tuple[list[int], SamplingParams]], gr
     for i, (ids, params) in enumerate(prepared):
         echo = None
         if isinstance(body, CompletionRequest) and body.echo:
-            echo = texts[i] if isinstance(texts[i], str) else tokenizer.decode(ids)
+            text = texts[i]
+            echo = text if isinstance(text, str) else tokenizer.decode(ids)
         for k in range(n):
             seed = None if params.seed is None else (params.seed + k) % 2**63
             out.append(Choice(i * n + k, ids, replace(params, seed=seed, grammar=grammar), echo,

@@ -218,12 +218,12 @@ class CompletionRequest(_Sampling):
             raise ValueError(f"{value!r:.40} is not supported (this server answers {allowed} only)")
         return value
 
-    def prompt_list(self) -> list[str] | list[list[int]]:
+    def prompt_list(self) -> list[str | list[int]]:
         """The prompts: strings, or token-id lists."""
-        p = self.prompt
+        p: Any = self.prompt
         if isinstance(p, str):
             return [p]
-        return [p] if p and isinstance(p[0], int) else list(p)  # type: ignore[list-item]
+        return [p] if p and isinstance(p[0], int) else list(p)
 
     def token_limit(self) -> int:
         """max_tokens; null, as unset, is OpenAI's default (16)."""
