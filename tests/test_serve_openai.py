@@ -502,6 +502,26 @@ def test_byte_level_and_user_models_generate_through_their_family_hooks(client, 
     assert user.usage.completion_tokens == 6 and user.choices[0].finish_reason == "length"
 
 
+
+def test_a_byte_level_model_scores_an_echoed_prompt_as_its_own_forward(client, models):
+    """echo + logprobs through the re-running batch (no KV cache): the prompt's bytes'
+    logprobs equal the gpt's own forward (float32, one forward each: 1e-4 as for hf)."""
+    from raytrain_platform.inference import load_model_for_inference
+
+    prompt = "def main():"
+    r = client.completions.create(model="gpt", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt and lp.tokens == list(prompt) and lp.token_logprobs[0] is None
+    model, _, _ = load_model_for_inference(models["gpt"])
+    ids = list(prompt.encode())
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids]))[0].float(), -1)[:-1].gather(
+            1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), reference, rtol=0, atol=1e-4)
+    sampled = client.completions.create(model="gpt", prompt=prompt, max_tokens=3, logprobs=1, seed=0)
+    assert len(sampled.choices[0].logprobs.token_logprobs) == sampled.usage.completion_tokens == 3
+
+
 def test_a_user_classifier_predicts_through_its_family_hook(served, models, client):
     from raytrain_platform.inference import load_model_for_inference
 
