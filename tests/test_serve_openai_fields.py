@@ -100,6 +100,18 @@ def test_penalties_and_bias_follow_openais_formula():
     assert logits.tolist() == [1.0, 2.0, 3.0, 4.0]  # the raw logits (the logprobs') are left as they were
 
 
+def test_tool_choice_none_is_a_plain_answer_and_any_tool_is_refused():
+    from pydantic import ValidationError
+
+    from raytrain_platform.serve.openai_schemas import ChatRequest
+
+    messages = [{"role": "user", "content": "hi"}]
+    assert ChatRequest.model_validate({"messages": messages, "tool_choice": "none", "tools": []}).tools == []
+    for field, value in (("tool_choice", "auto"), ("tools", [{"type": "function"}])):
+        with pytest.raises(ValidationError, match="tool calling is not supported"):
+            ChatRequest.model_validate({"messages": messages, field: value})
+
+
 # ---- over HTTP ---------------------------------------------------------------------------------
 
 def _requests(prompt_ids: list[int]) -> list[tuple[str, str, dict]]:

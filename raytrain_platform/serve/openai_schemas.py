@@ -21,6 +21,7 @@ n
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -85,8 +86,6 @@ class ResponseFormat(_Strict):
 
     def schema_text(self) -> str | None:
         """The JSON Schema to constrain to (None: plain text)."""
-        import json
-
         if self.type == "json_object":
             return '{"type": "object"}'
         if self.type == "json_schema":
@@ -281,7 +280,7 @@ class ChatRequest(_Sampling):
     @field_validator("tools", "tool_choice")
     @classmethod
     def _no_tools(cls, value: Any) -> Any:
-        if value:
+        if value and value != "none":  # no tools, or tool_choice "none": a plain answer
             raise ValueError("tool calling is not supported by this server")
         return value
 
