@@ -4,13 +4,15 @@ batching over a KV cache) at 1, 8 and 32 concurrent clients, against one-at-a-ti
 
     python benchmarks/serve_llm.py            # about 4 minutes on 2 quiet CPU cores
     python benchmarks/serve_llm.py --smoke    # a few requests; checks it still runs
+    python benchmarks/serve_llm.py --logprobs 5   # also 32 clients asking for logprobs (top 5)
 
 The model is a Llama-style decoder made offline by tools/tiny_llm.py (byte-level BPE of
 512 tokens; ``--hidden`` 256 and ``--layers`` 4 by default, 4 heads, 2 KV heads), served
 from its folder as ``rtp serve DIR`` would: one replica, 1 CPU, 1 torch thread, on a
 local Ray with 2 CPUs. Clients are threads in this process, each with a keep-alive HTTP
 session, sending ``POST /v1/completions`` (``max_tokens`` 32, temperature 1, a seed per
-request) one after the other. The baseline is this process with 1 torch thread calling
+request) one after the other; with ``--logprobs N``, a side of 32 clients whose requests
+also ask ``logprobs: N`` (each token's logprob and the N most likely, in the answer). The baseline is this process with 1 torch thread calling
 ``model.generate`` (sampling, same ``max_new_tokens``) on the same prompts one at a time.
 Both count the tokens actually generated (a sampled end-of-sequence token ends a
 request early on either side). Sides alternate per repeat (the machine's load drifts);
@@ -81,7 +83,9 @@ def _baseline(model_dir: Path, requests_total: int):
     return run
 
 
-def _served(url: str, clients: int, requests_total: int):
+def _served(url: str, clients: int, requests_total: int, logprobs: int | None = None):
+    extra = {} if logprobs is None else {"logprobs": logprobs}
+
     def run(repeat: int) -> dict:
         counts: list[int] = []
 
@@ -90,7 +94,7 @@ def _served(url: str, clients: int, requests_total: int):
             for i in range(k, requests_total, clients):
                 r = session.post(url + "/v1/completions", timeout=300, json={
                     "model": "llm", "prompt": _prompt(i), "max_tokens": MAX_TOKENS, "temperature": 1.0,
-                    "seed": repeat * 1000 + i})
+                    "seed": repeat * 1000 + i, **extra})
                 r.raise_for_status()
                 counts.append(r.json()["usage"]["completion_tokens"])
 
@@ -127,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = harness_parser(__doc__, out=ROOT / "benchmarks" / "serve_llm.json", page="serve-llm")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--logprobs", type=int, default=None, help="add a side of 32 clients asking for logprobs")
     args = parser.parse_args(argv)
     levels = SMOKE_LEVELS if args.smoke else LEVELS
     hidden, layers, repeats = (64, 2, 1) if args.smoke else (args.hidden, args.layers, args.repeats or 2)
@@ -139,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             baseline_requests = levels[0][1] * 2
             sides = {"generate (one at a time)": _baseline(model_dir, baseline_requests)}
             sides.update({f"served, {c} clients": _served(url, c, n) for c, n in levels})
+            if args.logprobs is not None:
+                clients, total = levels[-1]
+                sides[f"served, {clients} clients, logprobs {args.logprobs}"] = _served(url, clients, total,
+                                                                                         args.logprobs)
             results = interleaved(sides, repeats, label="serve_llm ")
         finally:
             serve.shutdown()
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     table += [f"| {r['side']} | {r['tokens_per_s']:,.1f} | {r['vs_generate']:.2f}x | {r['vs_generate_per_repeat']} |"
               for r in rows]
     finish(args, {**stamp(), "hidden": hidden, "layers": layers, "max_tokens": MAX_TOKENS, "repeats": repeats,
-                  "rows": rows}, script=__file__, argv=argv,
+                  "logprobs": args.logprobs, "rows": rows}, script=__file__, argv=argv,
            title="LLM serving: the OpenAI endpoint against one-at-a-time generate", table="\n".join(table))
     return 0
 

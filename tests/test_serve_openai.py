@@ -194,7 +194,8 @@ def test_requests_are_checked_against_the_context_and_the_deployment_limits():
             return exc.status_code, exc.detail
         return 200, ""
 
-    ids, params = prepare(CompletionRequest.model_validate({"prompt": "abcdefghijkl"}), entry, tok, max_new_tokens=8)
+    [(ids, params)] = prepare(CompletionRequest.model_validate({"prompt": "abcdefghijkl"}), entry, tok,
+                              max_new_tokens=8)
     assert len(ids) == 12 and params.max_tokens == 4 and params.stop_token_ids == (0,)  # default 16, room 4
     assert status({"prompt": "a" * 16})[1] == "prompt: 16 tokens; this model's maximum context length is 16 tokens " \
                                                "(prompt and completion together)"
@@ -265,13 +266,14 @@ def test_a_token_the_tokenizer_cannot_decode_ends_that_request_only():
 
 
 def test_an_error_in_a_stream_is_one_event_of_one_line_then_done():
-    from raytrain_platform.serve.openai_api import stream_events
+    from raytrain_platform.serve.openai_api import answer
     from raytrain_platform.serve.openai_schemas import CompletionRequest
 
     async def run() -> list[str]:
-        body = CompletionRequest.model_validate({"prompt": "hi", "stream": True})
-        return [event async for event in stream_events(body, "m", _byte_engine(_Refuses()), list(b"hi"),
-                                                        SamplingParams(max_tokens=2))]
+        body = CompletionRequest.model_validate({"prompt": "hi", "stream": True, "max_tokens": 2})
+        entry = {"id": "m", "context_len": 8, "kv_cache": False, "stop_token_ids": []}
+        stream = await answer(body, entry, ByteTokenizer(), _byte_engine(_Refuses()), max_new_tokens=8, step=0)
+        return [event async for event in stream]
 
     events = asyncio.run(run())
     assert len(events) == 2 and events[-1] == "data: [DONE]\n\n", events
@@ -445,8 +447,8 @@ def test_typed_errors_in_openai_shape_and_the_server_lives_on(client, served):
          "prompt"),
         (openai.BadRequestError, {"model": "tiny", "prompt": "a", "max_tokens": 65}, "at most 64", "max_tokens"),
         (openai.BadRequestError, {"model": "tiny", "prompt": "a", "temperature": 3}, "temperature", "temperature"),
-        (openai.BadRequestError, {"model": "tiny", "prompt": "a", "n": 2}, "n = 1 only", "n"),
-        (openai.BadRequestError, {"model": "tiny", "prompt": "a", "n": 0}, "n = 1 only", "n"),
+        (openai.BadRequestError, {"model": "tiny", "prompt": "a", "n": 17}, "17 is out of range: 1..16", "n"),
+        (openai.BadRequestError, {"model": "tiny", "prompt": "a", "n": 0}, "0 is out of range: 1..16", "n"),
         (openai.BadRequestError, {"model": "tiny", "prompt": ""}, "non-empty", "prompt"),
         (openai.BadRequestError, {"model": "sweep/a", "prompt": "a", "extra_body": {"colour": 1}}, "colour", "colour"),
         # a field of two types names the field, and what each type needed (not pydantic's
@@ -498,6 +500,26 @@ def test_byte_level_and_user_models_generate_through_their_family_hooks(client, 
     assert gpt.choices[0].text == legacy["text"] and gpt.usage.prompt_tokens == len(b"def main():")
     user = client.completions.create(model="user", prompt="import os", max_tokens=6, seed=0)
     assert user.usage.completion_tokens == 6 and user.choices[0].finish_reason == "length"
+
+
+
+def test_a_byte_level_model_scores_an_echoed_prompt_as_its_own_forward(client, models):
+    """echo + logprobs through the re-running batch (no KV cache): the prompt's bytes'
+    logprobs equal the gpt's own forward (float32, one forward each: 1e-4 as for hf)."""
+    from raytrain_platform.inference import load_model_for_inference
+
+    prompt = "def main():"
+    r = client.completions.create(model="gpt", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt and lp.tokens == list(prompt) and lp.token_logprobs[0] is None
+    model, _, _ = load_model_for_inference(models["gpt"])
+    ids = list(prompt.encode())
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids]))[0].float(), -1)[:-1].gather(
+            1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), reference, rtol=0, atol=1e-4)
+    sampled = client.completions.create(model="gpt", prompt=prompt, max_tokens=3, logprobs=1, seed=0)
+    assert len(sampled.choices[0].logprobs.token_logprobs) == sampled.usage.completion_tokens == 3
 
 
 def test_a_user_classifier_predicts_through_its_family_hook(served, models, client):

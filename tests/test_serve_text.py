@@ -194,18 +194,18 @@ class ScriptedLM(nn.Module):
 
 
 def _serve(body, tokenizer: HFTokenizer, script_text: str, max_new_tokens: int = 64) -> tuple[dict, str]:
-    """A completion through prepare, the engine and respond / stream_events: the whole
-    response and the streamed text."""
+    """A completion through openai_api.answer and the engine: the whole response and
+    the streamed text."""
     eos = tokenizer._tok.eos_token_id
     model = ScriptedLM(tokenizer.encode(script_text), eos, len(tokenizer._tok))
     engine = GenerationEngine(model, tokenizer, kv_cache=False, logits_of=lambda out: out)
     entry = {"id": "m", "context_len": 0, "kv_cache": False, "stop_token_ids": [eos]}
 
     async def both() -> tuple[dict, str]:
-        ids, params = openai_api.prepare(body, entry, tokenizer, max_new_tokens=max_new_tokens)
-        whole = openai_api.respond(body, "m", await engine.generate(ids, params), 0)
+        whole = await openai_api.answer(body, entry, tokenizer, engine, max_new_tokens=max_new_tokens, step=0)
         streamed = body.model_copy(update={"stream": True})
-        events = [e async for e in openai_api.stream_events(streamed, "m", engine, ids, params)]
+        stream = await openai_api.answer(streamed, entry, tokenizer, engine, max_new_tokens=max_new_tokens, step=0)
+        events = [e async for e in stream]
         chunks = [json.loads(e[len("data: "):]) for e in events if e != "data: [DONE]\n\n"]
         return whole, "".join(c["choices"][0]["text"] for c in chunks)
 
@@ -251,14 +251,14 @@ ENTRY = {"id": "m", "context_len": 0, "kv_cache": False, "stop_token_ids": []}
 @pytest.mark.parametrize("deployment, expected", [(256, 16), (8, 8)])
 def test_completion_null_max_tokens_is_default(deployment, expected):
     for body in ({"prompt": "hello"}, {"prompt": "hello", "max_tokens": None}):
-        _, params = openai_api.prepare(CompletionRequest.model_validate(body), ENTRY, ByteTokenizer(),
-                                       max_new_tokens=deployment)
+        [(_, params)] = openai_api.prepare(CompletionRequest.model_validate(body), ENTRY, ByteTokenizer(),
+                                           max_new_tokens=deployment)
         assert params.max_tokens == expected, body
 
 
 def test_chat_null_max_tokens_unchanged(byte_bpe):
     body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "max_tokens": None})
-    _, params = openai_api.prepare(body, ENTRY, byte_bpe, max_new_tokens=100)
+    [(_, params)] = openai_api.prepare(body, ENTRY, byte_bpe, max_new_tokens=100)
     assert params.max_tokens == 100  # chat: up to the deployment's maximum (and the context)
 
 

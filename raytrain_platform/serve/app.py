@@ -278,12 +278,11 @@ class ModelServer:
         """A completion or chat completion: whole, or streamed as server-sent events."""
         entry = self._resolve(body.model, "generate")
         loaded = await self.get_model(entry["id"])
-        ids, params = openai_api.prepare(body, entry, loaded.tokenizer, max_new_tokens=self.options.max_new_tokens)
+        result = await openai_api.answer(body, entry, loaded.tokenizer, loaded.engine,
+                                         max_new_tokens=self.options.max_new_tokens, step=entry["step"])
         if body.stream:
-            events = openai_api.stream_events(body, entry["id"], loaded.engine, ids, params)
-            return StreamingResponse(events, media_type="text/event-stream")
-        done = await loaded.engine.generate(ids, params)
-        return openai_api.respond(body, entry["id"], done, entry["step"])
+            return StreamingResponse(result, media_type="text/event-stream")
+        return result
 
     @api.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(self, body: CompletionRequest) -> Any:

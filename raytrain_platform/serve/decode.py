@@ -129,6 +129,14 @@ class KVCacheBatch:
         self.mask, self.positions = mask, self.positions + 1
         return logits
 
+    @torch.inference_mode()
+    def score(self, prompt: list[int]) -> torch.Tensor:
+        """(len(prompt), vocab) logits of one prompt, every position (no cache; the rows
+        are left as they are)."""
+        ids = torch.tensor([prompt], device=self.device)
+        out = self.model(input_ids=ids, use_cache=False)
+        return self.logits_of(out)[0].float().cpu()
+
     def select(self, keep: list[int]) -> None:
         """Keep only rows `keep` (in this order); drop columns that are padding in all of them."""
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -195,3 +203,9 @@ class RecomputeBatch:
 
     def select(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
+
+    @torch.inference_mode()
+    def score(self, prompt: list[int]) -> torch.Tensor:
+        """(len(prompt), vocab) logits of one prompt, every position (the prompt fits the
+        context: requests are checked against it)."""
+        return self.logits_of(self.model(torch.tensor([prompt], device=self.device)))[0].float().cpu()

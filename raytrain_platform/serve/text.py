@@ -56,6 +56,11 @@ class HFTokenizer:
         self._tok: Any = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         self.chat_template: str | None = getattr(self._tok, "chat_template", None)
 
+    @property
+    def backend(self) -> Any:
+        """The `transformers` tokenizer itself."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text)["input_ids"])
 
