@@ -233,3 +233,51 @@ def test_scores_through_rtp_serve_equal_lm_eval_hf_on_the_same_export(setup, hf_
                                torch.tensor(_sample_lls(hf_record), dtype=torch.float64), rtol=0, atol=LL_ATOL)
     assert served["scores"] == hf_record["scores"]
     assert not math.isnan(served["scores"][TASK]["acc"])
+
+
+def test_run_eval_tasks_are_checked_with_the_config_before_ray(setup, tmp_path, capsys):
+    import yaml
+
+    tasks = str(setup["tasks"])
+    cases = [({"eval_tasks": ["nope"], "eval_include": [tasks]},
+              f"error: run.eval_tasks = 'nope': expected a task of the run.eval_include folders ({TASK})"),
+             ({"eval_tasks": [TASK], "eval_include": [str(tmp_path / "nodir")]}, "error: run.eval_include = "),
+             ({"eval_tasks": [""]}, "error: run.eval_tasks[0] = '': expected a non-empty string"),
+             ({"eval_include": [tasks]}, "error: run.eval_include = ")]
+    for run, expected in cases:
+        cfg = hf_config(tmp_path, "v", setup["export"], run=run)
+        (tmp_path / "v.yaml").write_text(yaml.safe_dump(cfg))
+        assert rtp(["validate", str(tmp_path / "v.yaml")]) == 2, run
+        err = capsys.readouterr().err
+        assert expected in err and len(err.splitlines()) == 1, (run, err)
+    mlp = mlp_config(tmp_path, "m", run={"eval_tasks": [TASK], "eval_include": [tasks]})
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(mlp))
+    assert rtp(["validate", str(tmp_path / "m.yaml")]) == 2
+    assert "run.eval_tasks = ['docmc']: expected [] for model.name 'mlp'" in capsys.readouterr().err
+    ok = hf_config(tmp_path, "ok", setup["export"], run={"eval_tasks": TASK, "eval_include": tasks})
+    (tmp_path / "ok.yaml").write_text(yaml.safe_dump(ok))
+    assert rtp(["validate", str(tmp_path / "ok.yaml")]) == 0
+
+
+@pytest.mark.ray
+@pytest.mark.extended
+def test_rtp_train_scores_run_eval_tasks_into_its_mlflow_run(setup, ray_cluster, tmp_path, hf_record):
+    """`run.eval_tasks` at the end of `rtp train`: the final checkpoint scored, its results
+    in eval/ and in the training's own MLflow run, at the last step."""
+    from mlflow import MlflowClient
+
+    from raytrain_platform.launch.trainer import train
+
+    runs = tmp_path / "runs"
+    cfg = hf_config(runs, "evald", setup["export"], train={"max_steps": 1, "lr": 1e-9, "warmup_steps": 0},
+                    run={"checkpoint_every": 0, "eval_every": 0, "eval_batches": 1, "tracking": ["mlflow"],
+                         "eval_tasks": [TASK], "eval_include": [str(setup["tasks"])]})
+    result = train(cfg, progress=False)
+    files = list((result.run_dir / "eval").glob("step_00000001_*.json"))
+    assert len(files) == 1
+    scores = json.loads(files[0].read_text())["scores"][TASK]
+    state = json.loads((result.run_dir / "tracking.json").read_text())["mlflow"]
+    client = MlflowClient(state["tracking_uri"])
+    assert [(m.step, m.value) for m in client.get_metric_history(state["run_id"], f"eval/{TASK}/acc")] == \
+        [(1, scores["acc"])]
+    assert client.get_run(state["run_id"]).info.status == "FINISHED"

@@ -22,7 +22,7 @@ from raytrain_platform.config import JobConfig
 from raytrain_platform.core.rundir import CONFIG_FILE, STATE_FILE
 from raytrain_platform.errors import CheckpointError, ConfigError
 
-__all__ = ["EvalTarget", "prepared_target"]
+__all__ = ["EvalTarget", "exports_hf", "prepared_target"]
 
 _ARG = "RUN_OR_EXPORT"
 
@@ -67,19 +67,24 @@ def _exported_from(folder: Path) -> tuple[int, Path | None]:
     return step, _run_of(Path(source)) if isinstance(source, str) else None
 
 
+def exports_hf(model_name: str) -> bool:
+    """Whether runs of `model_name`'s family export as Hugging Face folders (lm_eval's input)."""
+    from raytrain_platform.models.family import ModelFamily
+    from raytrain_platform.models.registry import get_family
+
+    return type(get_family(model_name)).export_hf is not ModelFamily.export_hf
+
+
 def _check_exportable(path: Path, trust_builder: bool) -> tuple[Path, int]:
     """The checkpoint `path` holds and its step, for a family that writes Hugging Face
     folders; a one-line error otherwise, before any weight is read."""
     from raytrain_platform.core.checkpoint import read_state
     from raytrain_platform.inference import EXPORT_INFO_FILE, find_checkpoint, load_job_config, read_export_info
-    from raytrain_platform.models.family import ModelFamily
-    from raytrain_platform.models.registry import get_family
 
     is_export = (path / EXPORT_INFO_FILE).is_file() and not (path / STATE_FILE).is_file()
     ckpt = path if is_export else find_checkpoint(path)
     cfg = load_job_config(ckpt, trust_builder=trust_builder)
-    family = get_family(cfg.model.name)
-    if type(family).export_hf is ModelFamily.export_hf:  # the family writes no Hugging Face folder
+    if not exports_hf(cfg.model.name):
         raise ConfigError(_ARG, str(path), f"a run of a Hugging Face model (lm_eval reads a Hugging Face "
                           f"folder; model.name {cfg.model.name!r} exports none)")
     step = read_export_info(ckpt)["step"] if is_export else read_state(ckpt)["state"]["step"]

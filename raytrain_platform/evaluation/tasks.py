@@ -51,18 +51,20 @@ def _manager(include: list[str], *, defaults: bool) -> Any:
     return TaskManager(include_path=list(include) or None, include_defaults=defaults)
 
 
-def check_tasks(tasks: list[str], include: list[str]) -> Any:
+def check_tasks(tasks: list[str], include: list[str], *, fields: tuple[str, str] = ("--tasks", "--include")) -> Any:
     """The `TaskManager` that knows every one of `tasks` (names or YAML files), or a
-    ConfigError naming the first it does not. lm_eval's own task index is read only when
-    a name is not in the `include` folders (it takes seconds)."""
+    ConfigError naming the first it does not (as `fields`: the flags, or the config's
+    fields). lm_eval's own task index is read only when a name is not in the `include`
+    folders (it takes seconds)."""
+    tasks_field, include_field = fields
     if not tasks:
-        raise ConfigError("--tasks", tasks, "at least one task name or task YAML file")
+        raise ConfigError(tasks_field, tasks, "at least one task name or task YAML file")
     for folder in include:
         if not Path(folder).is_dir():
-            raise ConfigError("--include", folder, "a folder of lm_eval task YAML files (no such folder)")
+            raise ConfigError(include_field, folder, "a folder of lm_eval task YAML files (no such folder)")
     for spec in tasks:
         if _is_yaml(spec) and not Path(spec).is_file():
-            raise ConfigError("--tasks", spec, "a task name or an existing task YAML file (no such file)")
+            raise ConfigError(tasks_field, spec, "a task name or an existing task YAML file (no such file)")
     require_lm_eval()
     offline_by_default()
     manager = _manager(include, defaults=False)
@@ -73,12 +75,12 @@ def check_tasks(tasks: list[str], include: list[str]) -> Any:
         for name in names:
             if name not in manager.all_tasks:
                 shown = ", ".join(local[:_SHOWN]) + (", ..." if len(local) > _SHOWN else "")
-                where = f"the --include folders ({shown})" if local else "an --include folder"
-                raise ConfigError("--tasks", name, f"a task of {where} or of lm_eval, or a task YAML file")
+                where = f"the {include_field} folders ({shown})" if local else f"an {include_field} folder"
+                raise ConfigError(tasks_field, name, f"a task of {where} or of lm_eval, or a task YAML file")
     return manager
 
 
-def check_loadable(manager: Any, tasks: list[str]) -> None:
+def check_loadable(manager: Any, tasks: list[str], *, field: str = "--tasks") -> None:
     """Each task built once and its data read (a local JSONL through ``dataset_path:
     json``): a task whose YAML or data fails is a ConfigError naming it, before any model
     is loaded. (lm_eval builds them again to evaluate: a local file reads in no time.)"""
@@ -86,4 +88,4 @@ def check_loadable(manager: Any, tasks: list[str]) -> None:
         try:
             manager.load([spec])
         except Exception as exc:  # lm_eval's and datasets' own errors, of many types
-            raise ConfigError("--tasks", spec, f"a task whose YAML and data load ({first_line(exc)[:300]})") from None
+            raise ConfigError(field, spec, f"a task whose YAML and data load ({first_line(exc)[:300]})") from None
