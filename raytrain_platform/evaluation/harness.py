@@ -110,7 +110,7 @@ def _model(target: EvalTarget, spec: EvalSpec) -> Any:
     return LocalCompletionsAPI(base_url=f"{base}/v1/completions", model=model_id, tokenizer=str(target.model_dir),
                                tokenizer_backend="huggingface", tokenized_requests=True,
                                max_length=_context_len(target.model_dir), batch_size=spec.batch_size,
-                               max_retries=1, header={"Authorization": f"Bearer {key}"} if key else {})
+                               max_retries=1, header={"Authorization": f"Bearer {key}"} if key else None)
 
 
 def evaluate(target: EvalTarget, spec: EvalSpec, *, manager: Any = None) -> dict[str, Any]:
