@@ -8,6 +8,7 @@
     rtp sweep SWEEP.yaml [--set KEY=VALUE ...] [--address ADDR] [--verbose]
     rtp serve RUN_DIR_OR_CHECKPOINT ... [--host 127.0.0.1] [--port 8000] [--replicas N] [--write-config FILE]
     rtp doctor CONFIG [--set KEY=VALUE ...] [--workers 1,2] [--steps N] [--out DIR] [--json]
+    rtp eval RUN_OR_EXPORT --tasks T[,T...] [--include DIR] [--base-url URL] [--limit N]
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (config, data, checkpoint).
 """
@@ -89,6 +90,8 @@ _PACKAGE_COMMANDS = (
      "serve checkpoints over HTTP with Ray Serve (batched, multiplexed)"),
     ("doctor", "raytrain_platform.doctor.command", "add_doctor_arguments", "run_doctor",
      "measure at 1 and 2 workers, break the step down, flag pitfalls"),
+    ("eval", "raytrain_platform.evaluation.command", "add_eval_arguments", "run_eval",
+     "score a run or export on lm-evaluation-harness tasks (local task files)"),
 )
 
 

@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"__init__"},  # the public API (re-exports, lazily)
     {"tune", "serve", "doctor", "tools"},  # sweeps, HTTP, measured advice, offline makers
     {"launch"},  # the only place that builds TorchTrainer and datasets
+    {"evaluation"},  # rtp eval: lm-evaluation-harness on an export (launch runs it after training)
     {"export"},  # checkpoints -> exported folders (safetensors, Hugging Face, PEFT)
     {"inference"},  # a run, checkpoint or export -> a model for inference (serve, export)
     {"core"},  # the training engine, checkpoints, the run directory (Ray-free)

@@ -639,13 +639,23 @@ class RunConfig:
     """MLflow experiment; null = `raytrain_platform`."""
     log_checkpoints: bool = False  # also log the best checkpoint to MLflow (large)
     """Also log the best checkpoint to MLflow (with `mlflow` only; large)."""
+    eval_tasks: list[str] = field(default_factory=list)  # lm-evaluation-harness tasks after training
+    """lm-evaluation-harness tasks scored at the end of `rtp train` on the final checkpoint (hf models; needs
+    the `eval` extra): names of tasks in `eval_include` folders or of lm_eval, or task YAML files; as
+    `rtp eval` (see [evaluation.md](evaluation.md)), results in the run's `eval/` folder and trackers."""
+    eval_include: list[str] = field(default_factory=list)  # folders of lm_eval task YAML files
+    """Folders of lm_eval task YAML files that `eval_tasks` names come from (`rtp eval --include`)."""
 
     _ALLOWED: ClassVar[dict[str, str]] = {
         "tracking": f"a list of trackers, any of {list(TRACKERS)} (default: none)"}
 
     @classmethod
     def normalize(cls, data: dict) -> dict:
-        """``tracking: mlflow`` (or ``--set run.tracking=mlflow``) -> ``tracking: [mlflow]``."""
+        """``tracking: mlflow`` (or ``--set run.tracking=mlflow``) -> ``tracking: [mlflow]``;
+        ``eval_tasks: a,b`` -> ``[a, b]``."""
+        for key in ("eval_tasks", "eval_include"):
+            if isinstance(data.get(key), str):
+                data = {**data, key: [t.strip() for t in data[key].split(",") if t.strip()]}
         value = data.get("tracking")
         if isinstance(value, str):
             return {**data, "tracking": [value]}
@@ -665,6 +675,14 @@ class RunConfig:
         check_field(self.eval_batches >= 1, "run.eval_batches", self.eval_batches, "an integer >= 1")
         check_field(self.log_every >= 1, "run.log_every", self.log_every, "an integer >= 1")
         self._check_tracking()
+        for name in ("eval_tasks", "eval_include"):
+            values = getattr(self, name)
+            for i, value in enumerate(values):
+                check_field(isinstance(value, str) and bool(value.strip()), f"run.{name}[{i}]", value,
+                            "a non-empty string" + (" (a task name or task YAML file)" if name == "eval_tasks"
+                                                    else " (a folder of task YAML files)"))
+        check_field(not self.eval_include or bool(self.eval_tasks), "run.eval_include", self.eval_include,
+                    "[] unless run.eval_tasks names tasks")
 
     def _check_tracking(self) -> None:
         for i, name in enumerate(self.tracking):

@@ -30,6 +30,8 @@ from raytrain_platform.core.rundir import (CONFIG_FILE, SUMMARY_FILE, best_check
                                       latest_checkpoint, plot_run, prune_checkpoints, read_metrics,
                                       write_json)
 from raytrain_platform.core.rundir import PLOT_FILE, TRACKING_FILE
+from raytrain_platform.evaluation.after_training import (absolute_eval_paths, check_run_eval,
+                                                         evaluate_after_training)
 from raytrain_platform.tracking.runs import open_training_run
 
 __all__ = ["TrainResult", "finish_run", "prepare", "run_job", "train"]
@@ -63,7 +65,10 @@ def prepare(config: Any, overrides: list[str] | None = None,
                        for key, value in local_paths.items() if value and "://" not in value})
     check_storage(cfg.run.storage_path)
     warn_if_inside_the_jobs_copy(cfg.run.storage_path)
-    return resolve_job(cfg, hardware, start_ray=start_ray)
+    cfg = absolute_eval_paths(cfg)
+    job = resolve_job(cfg, hardware, start_ray=start_ray)
+    check_run_eval(job.config)  # run.eval_tasks: known tasks, their data read, an hf model
+    return job
 
 
 def _build_trainer(job: ResolvedJob, resume_from: Path | None, callbacks: Sequence[Any] = (),
@@ -185,6 +190,8 @@ def run_job(job: ResolvedJob, *, emit: Callable[[str], None], callbacks: Sequenc
         tracked.log_artifacts([run_dir / CONFIG_FILE, run_dir / PLOT_FILE, run_dir / SUMMARY_FILE])
         if cfg.run.log_checkpoints:
             tracked.log_artifacts([result.best_checkpoint or result.checkpoint], "checkpoints")
+        if cfg.run.eval_tasks and result.checkpoint is not None:
+            evaluate_after_training(run_dir, cfg, tracked=tracked, emit=emit)
     return result
 
 

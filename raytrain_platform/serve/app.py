@@ -8,8 +8,11 @@ per replica).
     POST /v1/generate   byte-level LMs: prompt -> generated text (same seed, same text)
     GET  /v1/models     OpenAI's model list, plus each model's config, step and training metrics
     GET  /v1/models/ID  one of them (OpenAI's model retrieval)
-    GET  /healthz       liveness
+    GET  /healthz       liveness (with API keys: the models only to a request with a key)
     GET  /docs          OpenAPI
+
+Started with API keys (``rtp serve --api-key``, serve/auth.py), every ``/v1/`` route
+needs ``Authorization: Bearer KEY``, else a 401 in OpenAI's shape.
 
 A request names its model with the ``model`` field or the ``serve_multiplexed_model_id``
 header (which Serve also routes by: to a replica that has the model loaded); without
@@ -32,12 +35,14 @@ from typing import Any, Callable, Optional
 import torch
 from ray import serve
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from raytrain_platform._version import __version__
 from raytrain_platform.models.registry import get_family
 from raytrain_platform.serve import openai_api
 from raytrain_platform.serve.adapters import SharedBases
+from raytrain_platform.serve.auth import is_authorized
 from raytrain_platform.serve.catalog import load_served_model
 from raytrain_platform.serve.coalesce import Coalescer
 from raytrain_platform.serve.http import ERROR_RESPONSES, error, make_api
@@ -115,6 +120,7 @@ class ModelServer:
     def __init__(self, catalog: dict[str, dict], options: ServeOptions):
         self.catalog, self.options = catalog, options
         api.state.max_body_bytes = options.max_body_bytes
+        api.state.api_key_digests = options.api_key_digests  # http.ApiKeyCheck: /v1/ needs one of them
         self.device = torch.device("cuda" if options.use_gpu else "cpu")
         # Set in the compute thread itself: torch's intra-op thread count is per thread, and
         # a default-sized pool spinning next to the event loop starves it of the CPU.
@@ -309,6 +315,10 @@ class ModelServer:
         return ModelInfo(**entry)
 
     @api.get("/healthz", response_model=HealthResponse)
-    async def healthz(self) -> HealthResponse:
+    async def healthz(self, request: Request) -> HealthResponse:
+        """Liveness; with API keys, the models and batches only to a request carrying one."""
+        keys = self.options.api_key_digests
+        if keys and not is_authorized(request.headers.get("authorization"), keys):
+            return HealthResponse(status="ok", models=[], loaded=[])
         return HealthResponse(status="ok", models=list(self.catalog), loaded=sorted(self.loaded),
                               batches=dict(self.batches))

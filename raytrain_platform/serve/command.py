@@ -5,6 +5,7 @@
     rtp serve runs/sweep --max-models-per-replica 2   # every run of a sweep, by run name
     rtp serve runs/quickstart --write-config serve.yaml && serve deploy serve.yaml
     rtp serve exported/ --write-config llm.yaml --engine vllm   # Ray Serve LLM (vLLM, GPUs)
+    RTP_API_KEY=k1,k2 rtp serve runs/quickstart --host 0.0.0.0   # /v1/ needs Authorization: Bearer k1 (or k2)
 
 Options and checkpoints are checked, and every checkpoint loaded once, before Ray
 starts: bad input is one line and exit code 2.
@@ -13,15 +14,18 @@ starts: bad input is one line and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from raytrain_platform.errors import ConfigError, UserError
+from raytrain_platform.serve.auth import API_KEY_ENV, digests, is_loopback, parse_api_keys
 from raytrain_platform.serve.options import ServeOptions, option_fields, parse_serve_args
 
 __all__ = ["add_serve_arguments", "run_serve", "serve_config", "APP_NAME", "BUILDER_IMPORT_PATH"]
@@ -42,6 +46,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                                                    "an embedded local Ray)")
     p.add_argument("--write-config", metavar="FILE", default=None,
                    help="write a Serve config YAML for `serve deploy` instead of serving")
+    p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every /v1/ route; repeat for several keys "
+                        f"(default: ${API_KEY_ENV}, comma-separated; the variable keeps keys out of the "
+                        "process list)")
     p.add_argument("--engine", default="torch",
                    help="torch (default): this package's replicas, CPU or GPU; vllm (with --write-config): "
                         "a Ray Serve LLM config (ray.serve.llm, vLLM on GPUs) for Hugging Face exports")
@@ -56,8 +64,33 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> ServeOptions:
+    """The flags as options; API keys from ``--api-key``, else from ``$RTP_API_KEY``."""
     given = {f.name: getattr(args, f.name) for f in option_fields() if getattr(args, f.name) is not None}
-    return parse_serve_args({"checkpoint": list(args.checkpoints), **given})
+    if not args.api_keys and os.environ.get(API_KEY_ENV, "").strip():
+        given["api_key_env"] = API_KEY_ENV
+    options = parse_serve_args({"checkpoint": list(args.checkpoints), **given})
+    if args.api_keys:
+        options = dataclasses.replace(options, api_key_digests=digests(parse_api_keys(args.api_keys,
+                                                                                      source="--api-key")))
+    return options
+
+
+def _warn_if_open(host: str, options: ServeOptions) -> None:
+    if not options.api_key_digests and not is_loopback(host):
+        print(f"warning: --host {host} is reachable from other machines and no API key is set: anyone who "
+              f"can reach it can use every model served (set {API_KEY_ENV} or --api-key)",
+              file=sys.stderr, flush=True)
+
+
+def _keys_for_config(options: ServeOptions) -> ServeOptions:
+    """A written config never holds a key: it names the variable the cluster reads them
+    from (``$RTP_API_KEY``), where `serve deploy` builds the application."""
+    if not options.api_key_digests or options.api_key_env:
+        return options
+    print(f"note: the API keys are not written to the config; it reads them from ${API_KEY_ENV} "
+          "(comma-separated) where the application is built: set it there before serve deploy",
+          file=sys.stderr, flush=True)
+    return dataclasses.replace(options, api_key_env=API_KEY_ENV)
 
 
 def _port(text: str) -> int:
@@ -148,9 +181,15 @@ def run_serve(args: argparse.Namespace) -> int:
     options = _options(args)
     port = _port(args.port)
     engine = _engine(args)
+    if engine == "vllm" and options.api_key_digests:  # Ray Serve LLM's OpenAI ingress checks no key
+        raise ConfigError("--engine", engine, f"torch with API keys (--api-key or ${API_KEY_ENV}): Ray Serve "
+                          "LLM's OpenAI app has no key check; unset them, or put an authenticating proxy "
+                          "in front of it")
     catalog = load_catalog(options)
+    _warn_if_open(args.host, options)
     if args.write_config:
-        _write_config(args.write_config, options, host=args.host, port=port, engine=engine, catalog=catalog)
+        _write_config(args.write_config, _keys_for_config(options), host=args.host, port=port, engine=engine,
+                      catalog=catalog)
         return 0
     _check_port_free(args.host, port)
     _serve_until_stopped(catalog, options, host=args.host, port=port, address=args.address)

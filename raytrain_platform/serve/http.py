@@ -3,8 +3,9 @@
 a one-line message that names the problem (so the ``openai`` client raises its typed
 errors: BadRequestError, NotFoundError, ...). Malformed JSON is 400, a body that fails
 the schema 422 (400 on the OpenAI endpoints, as OpenAI answers), with the field as
-``param``; a body over the limit 413; nothing a client sends reaches the replica as an
-exception.
+``param``; a body over the limit 413; on a server with API keys, a ``/v1/`` request
+without one of them 401 (`ApiKeyCheck`); nothing a client sends reaches the replica as
+an exception.
 """
 
 from __future__ import annotations
@@ -20,20 +21,22 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from raytrain_platform.errors import UserError, describe_error, first_line
+from raytrain_platform.serve.auth import PROTECTED_PREFIX, is_authorized
 from raytrain_platform.serve.schemas import ErrorResponse
 
-__all__ = ["make_api", "ERROR_RESPONSES", "error", "error_body", "APIError", "OPENAI_PATHS"]
+__all__ = ["make_api", "ERROR_RESPONSES", "error", "error_body", "APIError", "ApiKeyCheck", "OPENAI_PATHS"]
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": what} for code, what in (
-        (400, "malformed JSON, or a model of the other kind"), (404, "unknown model id"),
+        (400, "malformed JSON, or a model of the other kind"),
+        (401, "no API key, or not one the server accepts (servers started with API keys)"), (404, "unknown model id"),
         (413, "body over max_body_bytes"), (422, "a field is missing, of the wrong type, "
                                                  "non-finite, or over a limit"))}
 
 
 # Paths that answer schema errors with 400, as OpenAI's API does.
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
           422: "invalid_request_error", 503: "service_unavailable"}
 
 
@@ -84,6 +87,28 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
+class ApiKeyCheck:
+    """With ``app.state.api_key_digests`` set (serve/auth.py), every route under
+    ``/v1/`` needs ``Authorization: Bearer KEY``: a 401 in OpenAI's shape before the body
+    is read. The messages never repeat what was sent."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key_digests = getattr(scope["app"].state, "api_key_digests", ()) if scope["type"] == "http" else ()
+        if not key_digests or not scope["path"].startswith(PROTECTED_PREFIX):
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization")
+        if is_authorized(header.decode("latin-1") if header is not None else None, key_digests):
+            return await self.app(scope, receive, send)
+        message = ("invalid API key: the key sent is not one this server accepts" if header else
+                   "no API key: send the header 'Authorization: Bearer KEY' (this server requires one)")
+        response = _error_response(401, message, code="invalid_api_key")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
 def _error_response(status: int, message: str, *, param: str | None = None,
                     code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param=param, code=code), status_code=status)
@@ -130,7 +155,9 @@ def make_api(title: str, version: str) -> FastAPI:
     """A FastAPI app with the body limit and the one-line error handlers installed."""
     api = FastAPI(title=title, version=version)
     api.state.max_body_bytes = 1 << 20  # the deployment sets its own
+    api.state.api_key_digests = ()  # none: open (the deployment sets its keys)
     api.add_middleware(BodySizeLimit)
+    api.add_middleware(ApiKeyCheck)  # added last, runs first: no body is read for a refused request
 
     @api.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.core.rundir import STATE_FILE, latest_checkpoint
+from raytrain_platform.serve.auth import digests, keys_from_env
 
 __all__ = ["CheckpointSpec", "ServeOptions", "parse_serve_args", "option_fields", "MODEL_ID_PATTERN"]
 
@@ -72,17 +73,28 @@ class ServeOptions:
     max_prompt_bytes: int = _opt(4096, "UTF-8 bytes per /v1/generate prompt", 1)
     max_new_tokens: int = _opt(256, "largest max_new_tokens a request may ask for", 1)
     max_body_bytes: int = _opt(1 << 20, "request body size limit, bytes (larger: 413)", 64)
+    # API keys (serve/auth.py), as SHA-256 digests: the keys themselves never reach the
+    # deployment's arguments. `api_key_env` names the variable they came from, which is
+    # what a written config records.
+    api_key_digests: tuple[bytes, ...] = field(default=(), repr=False)
+    api_key_env: str | None = None
 
     def to_args(self) -> dict:
-        """The builder arguments (`parse_serve_args` input) that give these options back."""
+        """The builder arguments (`parse_serve_args` input) that give these options back
+        (API keys as the variable they are read from, never the keys)."""
         args = {f.name: getattr(self, f.name) for f in option_fields()}
         args["checkpoint"] = [f"{spec.name}={spec.path}" for spec in self.checkpoints]
+        if self.api_key_env:
+            args["api_key_env"] = self.api_key_env
         return args
 
 
+_NOT_OPTIONS = ("checkpoints", "api_key_digests", "api_key_env")  # set another way than a flag of their own
+
+
 def option_fields() -> list[dataclasses.Field]:
-    """The tunable options (every field but the checkpoints), with help and bounds."""
-    return [f for f in dataclasses.fields(ServeOptions) if f.name != "checkpoints"]
+    """The tunable options (every field but the checkpoints and API keys), with help and bounds."""
+    return [f for f in dataclasses.fields(ServeOptions) if f.name not in _NOT_OPTIONS]
 
 
 def _parse_value(f: dataclasses.Field, value: Any) -> Any:
@@ -163,17 +175,24 @@ def parse_checkpoints(value: Any) -> list[CheckpointSpec]:
 
 def parse_serve_args(args: Mapping[str, Any]) -> ServeOptions:
     """Builder arguments (strings or typed values) -> checked `ServeOptions`.
-    ``checkpoint`` is required; unknown keys are errors that list the known ones."""
+    ``checkpoint`` is required; unknown keys are errors that list the known ones.
+    ``api_key_env``: the environment variable holding the API keys (read here, where the
+    application is built; unset or empty is an error, never an open endpoint)."""
     if not isinstance(args, Mapping):
         raise ConfigError("args", args, "a mapping of option names to values")
     known = {f.name: f for f in option_fields()}
     for key in args:
-        if key != "checkpoint" and key not in known:
-            raise ConfigError(key, args[key], f"a known option: checkpoint, {', '.join(known)}")
+        if key not in ("checkpoint", "api_key_env") and key not in known:
+            raise ConfigError(key, args[key], f"a known option: checkpoint, api_key_env, {', '.join(known)}")
     if "checkpoint" not in args:
         raise ConfigError("checkpoint", None, "a run directory, checkpoint or export to serve")
-    values = {key: _parse_value(known[key], value) for key, value in args.items() if key != "checkpoint"}
-    opts = ServeOptions(checkpoints=parse_checkpoints(args["checkpoint"]), **values)
+    values = {key: _parse_value(known[key], value) for key, value in args.items() if key in known}
+    env = args.get("api_key_env")
+    if env is not None and not isinstance(env, str):
+        raise ConfigError("api_key_env", env, "an environment variable name")
+    keys = digests(keys_from_env(env)) if env else ()
+    opts = ServeOptions(checkpoints=parse_checkpoints(args["checkpoint"]), api_key_digests=keys,
+                        api_key_env=env or None, **values)
     if opts.max_replicas and opts.min_replicas > opts.max_replicas:
         raise ConfigError("min_replicas", opts.min_replicas, f"<= max_replicas ({opts.max_replicas})")
     return opts

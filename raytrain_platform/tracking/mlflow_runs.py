@@ -184,14 +184,15 @@ class TrackedRun:
                 else:
                     self.client.log_artifact(self.run_id, str(path), artifact_path)
 
-    def log_values(self, metrics: dict[str, float] | None = None, tags: dict[str, str] | None = None) -> None:
+    def log_values(self, metrics: dict[str, float] | None = None, tags: dict[str, str] | None = None,
+                   step: int = 0) -> None:
         if not self.active:
             return
         from mlflow.entities import Metric, RunTag
 
         now = now_ms()
         with self._guard():
-            self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in
+            self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in
                                                         (metrics or {}).items()],
                                   tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()])
 

@@ -20,7 +20,7 @@ from raytrain_platform.tracking.mlflow_runs import (
     warn_unavailable,
 )
 
-__all__ = ["StepTrackers", "open_step_trackers", "scalar_metrics"]
+__all__ = ["StepTrackers", "TensorBoardSink", "open_step_trackers", "scalar_metrics"]
 
 TENSORBOARD_FLUSH_S = 10  # how stale a live `tensorboard --logdir` view may be
 MLFLOW_FLUSH_TIMEOUT_S = 60.0  # at the end of the run, for the reports still queued
@@ -53,7 +53,7 @@ class TensorBoardSink:
     back to back cost the training thread 4.9 ms each as an event per scalar (torch's
     ``SummaryWriter.add_scalar``), 0.2 ms as one event (measured here, 2 busy cores)."""
 
-    def __init__(self, log_dir: str, resume_step: int):
+    def __init__(self, log_dir: str, resume_step: int | None):
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -62,9 +62,11 @@ class TensorBoardSink:
         self.writer = EventFileWriter(log_dir, max_queue_size=100, flush_secs=TENSORBOARD_FLUSH_S)
         # A resumed run hides what it logged past its checkpoint, as metrics.jsonl drops
         # those lines: TensorBoard purges the events from a START step on (what torch's
-        # SummaryWriter(purge_step=...) writes).
-        self.writer.add_event(Event(wall_time=time.time(), step=resume_step + 1,
-                                    session_log=SessionLog(status=SessionLog.START)))
+        # SummaryWriter(purge_step=...) writes). None: adds to what is there (rtp eval's
+        # scores of a checkpoint purge nothing).
+        if resume_step is not None:
+            self.writer.add_event(Event(wall_time=time.time(), step=resume_step + 1,
+                                        session_log=SessionLog(status=SessionLog.START)))
 
     def log(self, metrics: dict) -> None:
         values = [self._summary.Value(tag=k, simple_value=v) for k, v in scalar_metrics(metrics).items()]
