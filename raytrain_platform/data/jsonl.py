@@ -26,7 +26,7 @@ from typing import Iterator
 
 from raytrain_platform.data.encode import RecordError, check_record
 from raytrain_platform.data.specs import TokenSpec
-from raytrain_platform.data.splits import filesystem
+from raytrain_platform.data.splits import filesystem, uris_under
 from raytrain_platform.errors import DataError
 
 __all__ = ["BLOCK_BYTES", "jsonl_files", "byte_ranges", "read_lines", "records"]
@@ -56,13 +56,7 @@ def jsonl_files(path: str) -> list[str]:
     found = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".jsonl"))
     if not found:
         raise DataError(f"data.path = {path!r}: the folder holds no .jsonl files")
-    if "://" not in path:
-        return found
-    # Rebuild each file's URI from the root's: keeps host, port, bucket and the query
-    # (``?endpoint_override=...``), which follows the file's path.
-    base, query_mark, query = path.partition("?")
-    base, root = base.rstrip("/"), root.rstrip("/")
-    return [base + f[len(root):] + query_mark + query for f in found]
+    return uris_under(path, root, found)
 
 
 def byte_ranges(size: int, block_bytes: int = BLOCK_BYTES) -> list[tuple[int, int]]:

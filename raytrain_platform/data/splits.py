@@ -25,7 +25,7 @@ from raytrain_platform.errors import DataError
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
-__all__ = ["default_text_root", "filesystem", "split_mask", "VAL_SPLIT", "split_key", "split_keys",
+__all__ = ["default_text_root", "filesystem", "uris_under", "split_mask", "VAL_SPLIT", "split_key", "split_keys",
            "glob_match", "text_files", "rebatch"]
 
 
@@ -45,6 +45,21 @@ def filesystem(path: str, field: str = "data.path") -> tuple["pafs.FileSystem", 
         return pafs.LocalFileSystem(), os.path.abspath(path)
     except Exception as exc:  # pyarrow raises several types for bad URIs
         raise DataError(f"{field} = {path!r}: not a readable path or filesystem URI ({exc})") from None
+
+
+def uris_under(path: str, root: str, found: list[str]) -> list[str]:
+    """`found` (paths in `path`'s filesystem, under `root`, as `filesystem` made it) as
+    paths any process can open again: absolute local paths as they are, or URIs rebuilt
+    from `path`'s (host, port, bucket, and the query, which follows each file's path).
+
+    >>> uris_under("s3://b/d?region=x", "b/d", ["b/d/a.jsonl"])
+    ['s3://b/d/a.jsonl?region=x']
+    """
+    if "://" not in path:
+        return found
+    base, query_mark, query = path.partition("?")
+    base, root = base.rstrip("/"), root.rstrip("/")
+    return [base + f[len(root):] + query_mark + query for f in found]
 
 
 def split_mask(ids: np.ndarray, val_fraction: float, split: str) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 
 from raytrain_platform.data.encode import RecordSpec, check_record, record_spec
 from raytrain_platform.data.parquet import parquet_files
-from raytrain_platform.data.splits import filesystem
+from raytrain_platform.data.splits import filesystem, uris_under
 from raytrain_platform.errors import DataError
 
 if TYPE_CHECKING:
@@ -44,16 +44,6 @@ def _kind(kind: str) -> None:
         raise ValueError(f"kind must be one of {TABLE_KINDS}, not {kind!r}")
 
 
-def _uris(path: str, root: str, found: list[str]) -> list[str]:
-    """`found` (paths in `path`'s filesystem, under `root`) as paths any process can open
-    again: absolute local paths, or URIs rebuilt from `path`'s (host, bucket, query kept)."""
-    if "://" not in path:
-        return found
-    base, query_mark, query = path.partition("?")
-    base, root = base.rstrip("/"), root.rstrip("/")
-    return [base + f[len(root):] + query_mark + query for f in found]
-
-
 def _read_json(fs: "pafs.FileSystem", local: str, where: str) -> Any:
     try:
         with fs.open_input_stream(local) as f:
@@ -73,7 +63,7 @@ def _hf_dataset_files(path: str, field: str) -> list[str]:
     if info.type == pafs.FileType.File:
         if not root.endswith(".arrow"):
             raise DataError(f"{where}: expected a datasets save_to_disk folder, or .arrow files")
-        return _uris(path, root, [root])
+        return uris_under(path, root, [root])
     exists = {name: fs.get_file_info(f"{root}/{name}").type == pafs.FileType.File
               for name in ("dataset_dict.json", "state.json")}
     if exists["dataset_dict.json"]:  # a DatasetDict: its "train" split
@@ -94,7 +84,7 @@ def _hf_dataset_files(path: str, field: str) -> list[str]:
         found = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".arrow"))
     if not found:
         raise DataError(f"{where}: the folder holds no .arrow files")
-    return _uris(path, root, found)
+    return uris_under(path, root, found)
 
 
 def table_files(kind: str, path: str, field: str = "data.path") -> list[str]:
@@ -111,7 +101,7 @@ def table_files(kind: str, path: str, field: str = "data.path") -> list[str]:
     if kind == "hf_dataset":
         return _hf_dataset_files(path, field)
     _, root, files = parquet_files(path, field)
-    return _uris(path, root, files)
+    return uris_under(path, root, files)
 
 
 # ---------------------------------------------------------------- blocks
