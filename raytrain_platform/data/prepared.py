@@ -71,11 +71,22 @@ def _file_state(path: str) -> tuple[str, int, int]:
     return path, info.size or 0, mtime
 
 
-def _versions() -> dict[str, str]:
-    import tokenizers
-    import transformers
+# The modules whose code decides the windows: a change to any tokenizes again.
+_WINDOW_CODE = ("encode", "packing", "pieces", "jsonl", "tables", "text_groups", "splits")
 
-    return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__, "scheme": str(SCHEME)}
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict[str, str]:
+    """The libraries' versions and a hash of this package's tokenizing and packing code."""
+    import importlib
+    import importlib.metadata
+
+    code = hashlib.sha256()
+    for name in _WINDOW_CODE:
+        with open(importlib.import_module(f"raytrain_platform.data.{name}").__file__ or "", "rb") as f:
+            code.update(f.read())
+    versions = {p: importlib.metadata.version(p) for p in ("transformers", "tokenizers", "jinja2")}
+    return {**versions, "code": code.hexdigest()[:16], "scheme": str(SCHEME)}
 
 
 def dataset_key(spec: SourceSpec, pieces: list[Piece]) -> str:

@@ -238,17 +238,23 @@ def _quiet_ray_data() -> Iterator[None]:
 
 def _run_on_ray(spec: SourceSpec, pieces: list[Piece], directory: str, attempt: str,
                 say: Callable[[str], None]) -> tuple[list[dict], _Progress]:
-    with _quiet_ray_data():
-        return _stages_on_ray(spec, pieces, directory, attempt, say)
-
-
-def _stages_on_ray(spec: SourceSpec, pieces: list[Piece], directory: str, attempt: str,
-                   say: Callable[[str], None]) -> tuple[list[dict], _Progress]:
-    import ray.data
-
     token_spec, staging = spec.token_spec(), join(directory, attempt, "staging")
     fs, local = filesystem(staging)
     fs.create_dir(local, recursive=True)
+    try:
+        with _quiet_ray_data():
+            return _stages(token_spec, pieces, directory, attempt, staging, say)
+    finally:  # the staged documents go, whatever stopped the pass
+        with contextlib.suppress(OSError):
+            fs.delete_dir(local)
+
+
+def _stages(token_spec: TokenSpec, pieces: list[Piece], directory: str, attempt: str, staging: str,
+            say: Callable[[str], None]) -> tuple[list[dict], _Progress]:
+    """Ray Data's two stages: every block tokenized (the driver streams their rows and
+    stops at a bad record), then every piece packed and written."""
+    import ray.data
+
     progress = _Progress(pieces, "on the cluster", say)
     items = _items(pieces, blocks=True)
     blocks = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
@@ -269,8 +275,6 @@ def _stages_on_ray(spec: SourceSpec, pieces: list[Piece], directory: str, attemp
         pack_pieces, fn_kwargs={"spec": token_spec, "staging": staging, "directory": directory, "attempt": attempt},
         batch_size=1, batch_format="numpy")
     entries = sorted((json.loads(str(row["entry"])) for row in packed.iter_rows()), key=lambda e: e["index"])
-    with contextlib.suppress(OSError):
-        fs.delete_dir(local)
     return entries, progress
 
 
@@ -305,7 +309,7 @@ def prepare(spec: SourceSpec, *, on_ray: bool | None = None, say: Callable[[str]
     if found.windows["train"] == 0:
         raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = {spec.seq_len - 1} "
                         "tokens (+1) (too little data, or lower data.seq_len)")
-    return load_manifest(directory)
+    return found
 
 
 def _write(spec: SourceSpec, pieces: list[Piece], directory: str, run: Callable, say: Callable[[str], None]) -> Manifest:
@@ -321,6 +325,7 @@ def _write(spec: SourceSpec, pieces: list[Piece], directory: str, run: Callable,
                "seconds": round(progress.seconds, 3), "nodes": len(progress.nodes) or 1, "pieces": entries}
     manifest = Manifest(directory, content)
     manifest.write()
+    load_manifest.cache_clear()  # a process that read an earlier pass's manifest reads this one
     nodes = f" on {len(progress.nodes)} node(s)" if progress.nodes else ""
     say(f"tokenized {total['documents']:,} documents, {total['tokens']:,} tokens into {total['train']:,} train + "
         f"{total['val']:,} validation windows ({_size_text(total['bytes'])}) in {progress.seconds:.1f} s{nodes}: "
