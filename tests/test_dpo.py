@@ -245,9 +245,10 @@ COMPARED = {"loss": (LAYOUT_RTOL, 0.0), "val_loss": (LAYOUT_RTOL, 0.0), "rewards
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, tiny, pairs) -> list[dict]:
+    """The reference run: one process, in this one (no torchrun)."""
     tmp = tmp_path_factory.mktemp("one")
-    cfg = dpo_config(tmp, tiny["model"], "one", run={"eval_every": 5, "eval_batches": 2})
-    return _torchrun_rows(tmp, cfg, pairs, 1)
+    return run_engine(_load(dpo_config(tmp, tiny["model"], "one", run={"eval_every": 5, "eval_batches": 2})),
+                      pairs, pairs)
 
 
 LORA = {"model": {"lora": {"r": 4}}, "train": {"lr": 1e-2}}
@@ -256,8 +257,8 @@ LORA = {"model": {"lora": {"r": 4}}, "train": {"lr": 1e-2}}
 @pytest.fixture(scope="module")
 def one_process_lora(tmp_path_factory, tiny, pairs) -> list[dict]:
     tmp = tmp_path_factory.mktemp("one-lora")
-    cfg = dpo_config(tmp, tiny["model"], "one-lora", run={"eval_every": 5, "eval_batches": 2}, **LORA)
-    return _torchrun_rows(tmp, cfg, pairs, 1)
+    return run_engine(_load(dpo_config(tmp, tiny["model"], "one-lora", run={"eval_every": 5, "eval_batches": 2},
+                                       **LORA)), pairs, pairs)
 
 
 def _layout(tmp_path, tiny, pairs, one_process, layout: str, extra: dict | None = None) -> None:
@@ -268,6 +269,12 @@ def _layout(tmp_path, tiny, pairs, one_process, layout: str, extra: dict | None 
     cfg["scaling"]["num_workers"] = nproc
     rows = _torchrun_rows(tmp_path, cfg, pairs, nproc)
     assert len(rows) == len(one_process) == 5
+    if extra is None:  # a frozen copy, sharded as the policy is (LoRA: none, the policy itself)
+        assert rows[0]["ref_param_bytes"] == rows[0]["param_bytes"]
+        whole = one_process[0]["ref_param_bytes"]
+        assert rows[0]["ref_param_bytes"] == whole if layout == "ddp2" else rows[0]["ref_param_bytes"] < whole
+    else:
+        assert "ref_param_bytes" not in rows[0]
     assert one_process[-1]["loss"] < one_process[0]["loss"]  # it trained
     for name, (rtol, atol) in COMPARED.items():
         ours = [r[name] for r in rows if name in r]

@@ -14,6 +14,7 @@ positions only where the policy's is (``train.logits: counted``).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -48,6 +49,18 @@ def _logps(module: torch.nn.Module, head: torch.nn.Module | None, task: Task, in
     kept.targets(logits)  # refuses a head whose output was reshaped (train.logits)
     logps, counts = sequence_logps(logits, targets, kept.rows)
     return outputs, logps, counts
+
+
+@contextlib.contextmanager
+def _as_reference(wrapped: Parallelized) -> Iterator[None]:
+    """The LoRA policy as its own reference: adapters off, in eval mode (no dropout)."""
+    training = wrapped.module.training
+    wrapped.module.eval()
+    try:
+        with adapters_disabled(wrapped.base):
+            yield
+    finally:
+        wrapped.module.train(training)
 
 
 class PreferenceObjective:
@@ -86,8 +99,8 @@ class PreferenceObjective:
         switch: ContextManager[None]
         if self.reference is not None:
             module, head, switch = self.reference.module, self.ref_head, contextlib.nullcontext()
-        else:  # LoRA: the policy itself, its adapters off
-            module, head, switch = self.wrapped.module, self.head, adapters_disabled(self.wrapped.base)
+        else:  # LoRA: the policy itself, its adapters off and without dropout, as the frozen copy
+            module, head, switch = self.wrapped.module, self.head, _as_reference(self.wrapped)
         with switch, self.autocast:
             _, logps, _ = _logps(module, head, self.task, inputs, targets, rows)
         chosen, rejected = logps.chunk(2)
