@@ -482,3 +482,21 @@ def test_the_progress_line_shows_the_reward_accuracy():
                             "val_loss": 0.5, "val_rewards/accuracies": 0.875, "samples_per_s": 10.0,
                             "data_wait_frac": 0.0, "lr": 1e-3}, 5)
     assert "reward_acc 0.750 margin 0.200" in line and "val_loss 0.5000 | val_reward_acc 0.875" in line
+
+
+def test_rtp_train_refuses_dpo_on_a_tabular_model_before_ray(tmp_path):
+    """The CLI: one line on stderr, exit 2, and no Ray started (no session directory)."""
+    import sys
+
+    path = tmp_path / "mlp.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name": "mlp"}, "data": {"source": "synthetic", "batch_size": 8},
+                                    "train": {"max_steps": 1, "objective": "dpo"},
+                                    "run": {"name": "mlp", "storage_path": str(tmp_path)}}))
+    proc = subprocess.run([sys.executable, "-m", "raytrain_platform", "train", str(path)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                                 "RAY_TMPDIR": str(tmp_path / "ray")})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: train.objective = 'dpo': expected 'sft' for a classification model (dpo tunes a language "
+        "model: model.task lm)"]
+    assert not (tmp_path / "ray").exists()
