@@ -110,8 +110,8 @@ def build_reference(cfg: JobConfig, env: DistEnv, family: ModelFamily) -> Parall
     m, ref = cfg.model, cfg.train.dpo.reference
     kwargs = m.kwargs if ref == "auto" else family.reference_kwargs(m.kwargs, ref)
     # no backward: activation checkpointing and compile would only cost
-    par = dataclasses.replace(cfg.parallel, strategy="none" if cfg.parallel.strategy == "ddp" else cfg.parallel.strategy,
-                              activation_checkpointing=False, compile=False)
+    strategy = "none" if cfg.parallel.strategy == "ddp" else cfg.parallel.strategy
+    par = dataclasses.replace(cfg.parallel, strategy=strategy, activation_checkpointing=False, compile=False)
     torch.manual_seed(cfg.train.seed)  # a random init is the policy's own
     files = family.pretrained_files(kwargs)
 
