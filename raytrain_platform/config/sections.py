@@ -19,7 +19,7 @@ from raytrain_platform.parallel.dims import PP_SCHEDULES
 from raytrain_platform.parallel.registry import STRATEGIES, strategy_names
 from raytrain_platform.units import parse_size
 
-__all__ = ["ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "ScalingConfig", "RunConfig",
+__all__ = ["ModelConfig", "DataConfig", "DpoConfig", "TrainConfig", "ParallelConfig", "ScalingConfig", "RunConfig",
            "SECTIONS", "Section", "SourceEntry", "TRACKERS", "MAX_MIX_SOURCES", "check_field"]
 
 _REQUIRED: Any = dataclasses.MISSING
@@ -375,6 +375,44 @@ class DataConfig:
 
 
 @dataclass
+class DpoConfig:
+    """`train.dpo`: preference tuning (`train.objective: dpo`); the losses as TRL defines them
+    (models/preference.py). See [preference.md](preference.md)."""
+
+    SECTION: ClassVar[str] = "train.dpo"
+    beta: float = 0.1
+    """How far the policy may move from the reference: the rewards are `beta` x (policy - reference)
+    log-probs of a response; for `ipo`, the regularization `tau` of the IPO paper. A number > 0."""
+    loss: str = "sigmoid"
+    """`sigmoid` (DPO), `ipo` (squared loss on the length-normalized log-ratio margin) or `hinge` (SLiC), as
+    TRL's `DPOTrainer` computes them."""
+    label_smoothing: float = 0.0
+    """Conservative DPO (`loss: sigmoid` only): the share of preference labels assumed flipped, in [0, 0.5)."""
+    reference: str = "auto"
+    """The frozen reference model. `auto`: the policy's own starting weights (the pretrained files or the
+    seed's initialization): a frozen copy sharded like the policy, or with `model.lora` the same model with
+    its adapters switched off (no second copy). A path: a Hugging Face model folder (`hf` models) with the
+    same vocabulary, built and sharded like the policy."""
+    precompute_reference: bool = False
+    """The batches carry the reference log-probs (`ref_chosen_logps`, `ref_rejected_logps`), computed in a
+    pass before training: no reference model is built while training."""
+
+    _LOSSES: ClassVar[tuple[str, ...]] = ("sigmoid", "ipo", "hinge")
+
+    def __post_init__(self) -> None:
+        check_field(self.beta > 0, "train.dpo.beta", self.beta, "a number > 0")
+        check_field(self.loss in self._LOSSES, "train.dpo.loss", self.loss, f"one of {list(self._LOSSES)}")
+        check_field(0.0 <= self.label_smoothing < 0.5, "train.dpo.label_smoothing", self.label_smoothing,
+                    "a number in [0, 0.5)")
+        check_field(self.label_smoothing == 0.0 or self.loss == "sigmoid", "train.dpo.label_smoothing",
+                    self.label_smoothing, f"0 for train.dpo.loss {self.loss} (label smoothing is sigmoid's)")
+        check_field(bool(self.reference.strip()), "train.dpo.reference", self.reference,
+                    "'auto' or a Hugging Face model folder")
+        if self.reference != "auto":
+            self.reference = os.path.abspath(os.path.expanduser(self.reference))  # workers: another cwd
+
+
+@dataclass
 class TrainConfig:
     SECTION: ClassVar[str] = "train"
     max_steps: Union[int, None] = None  # optimizer steps; stops at whichever of these comes first
@@ -425,7 +463,15 @@ class TrainConfig:
     stage, or a head whose input is a sequence shard, runs every position); a model whose forward reshapes
     its head's output is refused at the first step, naming `all`."""
 
+    objective: str = "sft"
+    """`sft`: next-token cross-entropy on the counted tokens (pretraining, instruction tuning). `dpo`:
+    preference tuning on pairs of a chosen and a rejected response (`lm` models, not with
+    `parallel.pp_size > 1`), set in `train.dpo`; see [preference.md](preference.md)."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """Preference tuning, read with `train.objective: dpo`: the keys below."""
+
     _ON_NONFINITE: ClassVar[tuple[str, ...]] = ("stop", "skip_step")
+    _OBJECTIVES: ClassVar[tuple[str, ...]] = ("sft", "dpo")
     _LOGITS: ClassVar[tuple[str, ...]] = ("counted", "all")
 
     def __post_init__(self) -> None:
@@ -460,6 +506,8 @@ class TrainConfig:
                f"one of {list(self._ON_NONFINITE)}")
         check_field(self.max_nonfinite_skips >= 1, "train.max_nonfinite_skips", self.max_nonfinite_skips,
                "an integer >= 1 (consecutive skipped steps before the run stops)")
+        check_field(self.objective in self._OBJECTIVES, "train.objective", self.objective,
+                    f"one of {list(self._OBJECTIVES)}")
 
 
 @dataclass
