@@ -103,7 +103,10 @@ class DataConfig:
     """`jsonl`: `text` (every token trained on), `prompt_completion` (the loss counts only the completion and
     its EOS), `chat` (`messages` rendered by the tokenizer's chat template; the loss counts only the
     assistant turns). Documents end with EOS and are packed into windows of `data.seq_len + 1` tokens; how
-    they are counted, kept and read: [data.md](data.md#jsonl-and-tokenized-text)."""
+    they are counted, kept and read: [data.md](data.md#jsonl-and-tokenized-text). `preference`: pairs for
+    preference tuning, `{prompt, chosen, rejected}` as strings or as message lists (chat template), one pair
+    per row of `data.seq_len + 1` tokens per side, never packed; the loss counts only the responses; see
+    [data.md](data.md#preference-pairs)."""
     tokenizer: Union[str, None] = None
     """`text`, `jsonl`: a local Hugging Face tokenizer folder (never downloaded). Default: the model family's
     own (an `hf` model's directory); a family without one (`gpt`, user builders) reads `text` as bytes and
@@ -112,11 +115,17 @@ class DataConfig:
     text_field: str = "text"  # jsonl field names, per format
     """`jsonl` `text` format: the field holding the text."""
     prompt_field: str = "prompt"
-    """`jsonl` `prompt_completion` format: the prompt's field."""
+    """`jsonl` `prompt_completion` and `preference` formats: the prompt's field."""
     completion_field: str = "completion"
     """`jsonl` `prompt_completion` format: the completion's field."""
     messages_field: str = "messages"
     """`jsonl` `chat` format: the field holding `[{"role": ..., "content": ...}, ...]`."""
+    chosen_field: str = "chosen"
+    """`jsonl` `preference` format: the preferred response's field (a string, or a list of assistant messages
+    when the prompt is a list of messages)."""
+    rejected_field: str = "rejected"
+    """`jsonl` `preference` format: the dispreferred response's field (the same type as `chosen_field`'s; a
+    record whose rejected equals its chosen is an error)."""
     feature_columns: Union[list[str], None] = None  # parquet: input columns (default: all but label)
     """`parquet`: input columns (default: every column but the label)."""
     label_column: str = "label"
@@ -180,6 +189,7 @@ class DataConfig:
     into windows (a document may span two and attends to those before it). Default: `documents` for
     `prompt_completion` and `chat` where the model is shown to keep packed documents apart (`hf` architectures
     but OPT; user models whose forward takes `position_ids`), else `concat`. Not with `parallel.pp_size > 1`.
+    `preference` pairs are never packed (one pair per row): `documents` is refused, `concat` has no effect.
     See [data.md](data.md#packing-documents-or-one-stream)."""
 
     _ALLOWED: ClassVar[dict[str, str]] = {
@@ -187,14 +197,15 @@ class DataConfig:
         "tokenize_processes": "an integer >= 1, or 'auto' (one per core for 16 MiB or more to tokenize)"}
 
     _SOURCES: ClassVar[tuple[str, ...]] = ("parquet", "synthetic", "text", "jsonl")
-    _FORMATS: ClassVar[tuple[str, ...]] = ("text", "prompt_completion", "chat")  # data/jsonl.py
-    _FIELDS: ClassVar[tuple[str, ...]] = ("text_field", "prompt_field", "completion_field", "messages_field")
+    _FORMATS: ClassVar[tuple[str, ...]] = ("text", "prompt_completion", "chat", "preference")  # data/jsonl.py
+    _FIELDS: ClassVar[tuple[str, ...]] = ("text_field", "prompt_field", "completion_field", "messages_field",
+                                          "chosen_field", "rejected_field")
 
     def __post_init__(self) -> None:
         check_field(self.source in self._SOURCES, "data.source", self.source, f"one of {list(self._SOURCES)}")
         check_field(self.format in self._FORMATS, "data.format", self.format, f"one of {list(self._FORMATS)}")
         check_field(self.format == "text" or self.source == "jsonl", "data.format", self.format,
-               f"'text' for data.source {self.source} (prompt_completion and chat are jsonl formats)")
+               f"'text' for data.source {self.source} (prompt_completion, chat and preference are jsonl formats)")
         if self.tokenizer is not None:
             check_field(self.source in ("text", "jsonl"), "data.tokenizer", self.tokenizer,
                    f"null for data.source {self.source} (a tokenizer reads text or jsonl)")
@@ -236,6 +247,8 @@ class DataConfig:
                "documents, concat, or null (documents for jsonl prompt_completion and chat)")
         check_field(self.packing != "documents" or self.source == "jsonl", "data.packing", self.packing,
                f"concat for data.source {self.source} (documents packs jsonl records)")
+        check_field(self.packing != "documents" or self.format != "preference", "data.packing", self.packing,
+               "null or concat for data.format preference (one pair per row, never packed)")
         check_field(self.feature_columns is None or len(self.feature_columns) > 0,
                "data.feature_columns", self.feature_columns, "a non-empty list of column names or null")
 
@@ -256,14 +269,14 @@ class DataConfig:
     def resolved_packing(self) -> str:
         """``packing``, or where unset the format's default: documents for jsonl
         prompt_completion and chat, concat otherwise (resolve_job sets it to concat for a
-        model that takes no position ids).
+        model that takes no position ids; preference pairs are never packed, whatever it says).
 
         >>> DataConfig(source="jsonl", path="d", format="chat", batch_size=8).resolved_packing
         'documents'
         """
         if self.packing is not None:
             return self.packing
-        return "documents" if self.source == "jsonl" and self.format != "text" else "concat"
+        return "documents" if self.source == "jsonl" and self.format in ("prompt_completion", "chat") else "concat"
 
     def tokenizer_for(self, model: ModelConfig) -> str | None:
         """The tokenizer folder text and jsonl are read with: ``data.tokenizer``, else the

@@ -19,7 +19,8 @@ from raytrain_platform.errors import ConfigError, DataError
 if TYPE_CHECKING:
     from raytrain_platform.data.jsonl import JsonlSpec
 
-__all__ = ["ENCODE_BATCH", "ENCODE_CHARS", "load_tokenizer", "encode_record"]
+__all__ = ["ENCODE_BATCH", "ENCODE_CHARS", "load_tokenizer", "encode_record", "check_unicode", "check_messages",
+           "token_ids", "bos_ids", "render_chat", "assistant_spans"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -66,7 +67,7 @@ def load_tokenizer(path: str, *, need_chat_template: bool) -> Any:
 # ---------------------------------------------------------------- records
 
 
-def _check_unicode(value: Any, where: str) -> None:
+def check_unicode(value: Any, where: str) -> None:
     """DataError if a string in `value` (or in its lists and objects, keys too) holds a
     lone UTF-16 surrogate: valid JSON (``"\\ud800"``), but the tokenizer raises a
     TypeError for it that names no file or line."""
@@ -85,7 +86,10 @@ def _check_unicode(value: Any, where: str) -> None:
                                 "is not Unicode text (expected a string that encodes as UTF-8)") from None
 
 
-def _check_messages(messages: Any, field: str) -> None:
+def check_messages(messages: Any, field: str, *, need_assistant: bool = True) -> None:
+    """DataError (without a location) unless `messages` is a non-empty list of
+    ``{"role": str, "content": str}`` objects of Unicode text, one of them (with
+    `need_assistant`) an assistant's; `field` names the list in the message."""
     shape = f"{field!r}: a non-empty list of {{\"role\": str, \"content\": str}} objects"
     if not isinstance(messages, list) or not messages:
         raise DataError(f"expected {shape}")
@@ -94,8 +98,8 @@ def _check_messages(messages: Any, field: str) -> None:
                 and isinstance(m.get("content"), str)):
             raise DataError(f"expected {shape}; message {i} is {json.dumps(m)[:80]}")
         for key, value in m.items():  # the chat template may render any of them
-            _check_unicode([key, value], f"{field!r} message {i} {key!r}")
-    if not any(m["role"] == "assistant" for m in messages):
+            check_unicode([key, value], f"{field!r} message {i} {key!r}")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"expected {field!r} to hold at least one message with role 'assistant'")
 
 
@@ -106,14 +110,14 @@ def _check_record(record: Any, spec: JsonlSpec) -> None:
     if spec.format == "chat":
         if spec.messages_field not in record:
             raise DataError(f"expected a field {spec.messages_field!r} (data.format chat)")
-        return _check_messages(record[spec.messages_field], spec.messages_field)
+        return check_messages(record[spec.messages_field], spec.messages_field)
     fields = ((spec.text_field,) if spec.format == "text"
               else (spec.prompt_field, spec.completion_field))
     for name in fields:
         if not isinstance(record.get(name), str):
             got = "missing" if name not in record else type(record[name]).__name__
             raise DataError(f"expected a string field {name!r} (data.format {spec.format}), got {got}")
-        _check_unicode(record[name], f"field {name!r}")
+        check_unicode(record[name], f"field {name!r}")
 
 
 # Documents handed to the tokenizer in one call (at most; and about `ENCODE_CHARS` bytes
@@ -124,17 +128,20 @@ ENCODE_BATCH = 64
 ENCODE_CHARS = 1 << 20
 
 
-def _ids(tok: Any, texts: list[str]) -> list[list[int]]:
+def token_ids(tok: Any, texts: list[str]) -> list[list[int]]:
+    """The ids of each text, without special tokens, in one tokenizer call."""
     return list(tok(texts, add_special_tokens=False)["input_ids"]) if texts else []
 
 
-def _bos(tok: Any) -> list[int]:
+def bos_ids(tok: Any) -> list[int]:
+    """``[bos]`` where the tokenizer has a BOS distinct from EOS, else ``[]``."""
     # Tokenizers with a BOS distinct from EOS (Llama) expect it at each document start.
     bos = tok.bos_token_id
     return [] if bos is None or bos == tok.eos_token_id else [bos]
 
 
-def _render(tok: Any, messages: list[dict], generation_prompt: bool = False) -> str:
+def render_chat(tok: Any, messages: list[dict], generation_prompt: bool = False) -> str:
+    """`messages` rendered by the tokenizer's chat template (a DataError where it cannot)."""
     try:
         return tok.apply_chat_template(messages, tokenize=False,
                                        add_generation_prompt=generation_prompt)
@@ -142,16 +149,17 @@ def _render(tok: Any, messages: list[dict], generation_prompt: bool = False) -> 
         raise DataError(f"the chat template cannot render these messages ({exc})") from None
 
 
-def _assistant_spans(tok: Any, messages: list[dict], full: str) -> list[tuple[int, int]]:
-    """Character spans of the assistant turns in `full`: the text a turn adds after the
-    generation prompt that opens it (its content and the template's end-of-turn)."""
+def assistant_spans(tok: Any, messages: list[dict], full: str, first: int = 0) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in `full` (`messages` rendered), from
+    message `first` on: the text a turn adds after the generation prompt that opens it
+    (its content and the template's end-of-turn)."""
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if i < first or m["role"] != "assistant":
             continue
-        before = _render(tok, messages[:i], generation_prompt=True)
+        before = render_chat(tok, messages[:i], generation_prompt=True)
         # The last turn's prefix is the whole conversation (one render fewer per record).
-        upto = full if i == len(messages) - 1 else _render(tok, messages[: i + 1])
+        upto = full if i == len(messages) - 1 else render_chat(tok, messages[: i + 1])
         if not (upto.startswith(before) and full.startswith(upto)):
             raise DataError(f"the chat template does not render message {i} as a prefix of the "
                             "conversation, so the assistant tokens cannot be located")
@@ -164,8 +172,8 @@ def _encode_chats(tok: Any, conversations: list[list[dict]],
     rendered = []
     for i, messages in enumerate(conversations):
         try:
-            full = _render(tok, messages)
-            rendered.append((full, _assistant_spans(tok, messages, full)))
+            full = render_chat(tok, messages)
+            rendered.append((full, assistant_spans(tok, messages, full)))
         except DataError as exc:
             raise DataError(f"{where(i)}{exc}") from None
     if not rendered:
@@ -183,8 +191,8 @@ def _encode_chats(tok: Any, conversations: list[list[dict]],
 
 
 def _text_docs(tok: Any, texts: list[str]) -> list[tuple[list[int], list[int]]]:
-    bos, eos = _bos(tok), tok.eos_token_id
-    return [(bos + ids + [eos], [0] * len(bos) + [1] * (len(ids) + 1)) for ids in _ids(tok, texts)]
+    bos, eos = bos_ids(tok), tok.eos_token_id
+    return [(bos + ids + [eos], [0] * len(bos) + [1] * (len(ids) + 1)) for ids in token_ids(tok, texts)]
 
 
 def _encode(tok: Any, records: list[dict], spec: JsonlSpec,
@@ -195,8 +203,8 @@ def _encode(tok: Any, records: list[dict], spec: JsonlSpec,
     if spec.format == "text":
         return _text_docs(tok, [r[spec.text_field] for r in records])
     if spec.format == "prompt_completion":
-        bos, eos, n = _bos(tok), tok.eos_token_id, len(records)
-        ids = _ids(tok, [r[spec.prompt_field] for r in records] + [r[spec.completion_field] for r in records])
+        bos, eos, n = bos_ids(tok), tok.eos_token_id, len(records)
+        ids = token_ids(tok, [r[spec.prompt_field] for r in records] + [r[spec.completion_field] for r in records])
         return [(bos + prompt + completion + [eos], [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + 1))
                 for prompt, completion in zip(ids[:n], ids[n:])]
     return _encode_chats(tok, [r[spec.messages_field] for r in records], where)

@@ -17,6 +17,9 @@ Three record formats, one JSON object per line (blank lines are skipped):
   and the closing EOS are trained on.
 * ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered with the
   tokenizer's chat template; only the assistant turns are trained on.
+* ``preference``: ``{"prompt", "chosen", "rejected"}`` pairs, one pair per row, never
+  packed (`preference.py`; read and counted by `pair_reader.py`, the hook of issue 49
+  until the tokenizing pass of issue 48 takes them over).
 
 Each document ends with the tokenizer's EOS. Documents go to train or val by a hash
 of the file's path under ``data.path`` and the line's index (`sources.split_keys`)
@@ -52,6 +55,7 @@ from raytrain_platform.data import pool
 from raytrain_platform.data.packing import PACKINGS, DocumentPacker, pad_id, window_arrays
 # Tokenizing records is encode.py's; its public names are this module's too.
 from raytrain_platform.data.encode import _batches, _check_record, _encode, encode_record, load_tokenizer
+from raytrain_platform.data.preference import PairSpec, check_pair
 from raytrain_platform.data.sources import filesystem, split_key, split_keys, split_mask
 from raytrain_platform.errors import ConfigError, DataError
 
@@ -70,7 +74,7 @@ __all__ = [
     "make_packer",
 ]
 
-FORMATS = ("text", "prompt_completion", "chat")
+FORMATS = ("text", "prompt_completion", "chat", "preference")
 _VAL_BIT = 1 << 31  # set in the sample_id of val windows: ids never collide across splits
 
 
@@ -79,7 +83,7 @@ class JsonlSpec:
     """Everything a reader needs, as plain picklable values (shipped to Ray tasks)."""
 
     path: str  # a .jsonl file or a folder of them (recursive); local path or URI
-    format: str  # text | prompt_completion | chat
+    format: str  # text | prompt_completion | chat | preference
     tokenizer: str  # local folder of a Hugging Face tokenizer
     seq_len: int  # tokens per window, including the extra target token (context + 1)
     val_fraction: float
@@ -87,9 +91,16 @@ class JsonlSpec:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    chosen_field: str = "chosen"  # preference
+    rejected_field: str = "rejected"  # preference
     window_cache: bool = True  # keep packed windows in the token cache (`_TokenCache`)
     tokenize_processes: int | str = "auto"  # the count pass's (`pool.count_processes`)
     packing: str = "concat"  # documents | concat (`packing.py`)
+
+    def pair_spec(self) -> PairSpec:
+        """What encoding a preference pair needs (``data.format: preference``)."""
+        return PairSpec(row_len=self.seq_len, prompt_field=self.prompt_field,
+                        chosen_field=self.chosen_field, rejected_field=self.rejected_field)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -177,7 +188,10 @@ def _records(path: str, data: bytes, spec: JsonlSpec, first_line: int = 0) -> It
         except RecursionError:
             raise DataError(f"{path}:{index + 1}: JSON nested too deeply to read") from None
         try:
-            _check_record(record, spec)
+            if spec.format == "preference":
+                check_pair(record, spec.pair_spec())
+            else:
+                _check_record(record, spec)
         except DataError as exc:
             raise DataError(f"{path}:{index + 1}: {exc}") from None
         yield index, record, len(raw)
@@ -350,3 +364,4 @@ def check_fits(spec: JsonlSpec, *, vocab_size: int | None, max_positions: int | 
         raise ConfigError("data.seq_len", spec.seq_len,
                           f"at most {max_positions + 1}: the model has {max_positions} positions "
                           "and sees seq_len - 1 tokens")
+

@@ -30,6 +30,7 @@ import numpy as np
 
 from raytrain_platform.data import jsonl, parquet, sources
 from raytrain_platform.compat.ray_private import limit_streaming_blocks
+from raytrain_platform.data.preference import empty_pairs
 from raytrain_platform.data.sources import DataInfo, SourceSpec
 from raytrain_platform.parallel.dims import ParallelDims
 
@@ -94,10 +95,12 @@ class _ParquetChunks:
         return {k: np.concatenate([p[k] for p in parts]) for k in ("x", "y", "sample_id")}
 
 
-def _chunk_bytes(rows: int, seq_len: int, packing: str = "concat") -> int:
-    """Bytes of the block Ray Data makes of `rows` windows (its own conversion)."""
+def _chunk_bytes(rows: int, seq_len: int, packing: str = "concat", pairs: bool = False) -> int:
+    """Bytes of the block Ray Data makes of `rows` windows, or preference pairs (its own conversion)."""
     from ray.data.block import BlockAccessor
 
+    if pairs:
+        return BlockAccessor.for_block(BlockAccessor.batch_to_block(empty_pairs(rows, seq_len))).size_bytes()
     batch = {"tokens": np.zeros((rows, seq_len), np.int32), "loss_mask": np.zeros((rows, seq_len), np.uint8),
              "sample_id": np.zeros(rows, np.int64)}
     if packing == "documents":
@@ -124,7 +127,8 @@ def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
         # chunk, not a whole file. Ray Data's output buffer (a public setting) cuts a
         # block once it holds more than this many bytes and slices any of 1.5x or more:
         # a chunk is 1.25x it.
-        ds.context.target_max_block_size = _chunk_bytes(rows, spec.seq_len, spec.token_spec().packing) * 4 // 5
+        ds.context.target_max_block_size = _chunk_bytes(rows, spec.seq_len, spec.token_spec().packing,
+                                                        spec.pairs) * 4 // 5
         limit_streaming_blocks(ds.context, _TOKEN_BLOCKS_AHEAD)
         return ds
     if spec.kind == "text":

@@ -17,7 +17,9 @@ With a tokenizer (``data.tokenizer``, or the model family's own), text and jsonl
 `pieces.py`): int32 token windows with a ``loss_mask``, read one
 piece at a time (a .jsonl file, or a group of consecutive text files); a piece's
 windows are ``piece_index << 32 | window_index`` (jsonl's validation windows also set
-bit 31). Without a tokenizer, text is bytes as above.
+bit 31). Without a tokenizer, text is bytes as above. A ``preference`` jsonl source
+gives pairs instead of windows (`pair_reader.py`): the ``i``-th pair of a file's split is
+``file_index << 32 | i``, by the same rule.
 """
 
 from __future__ import annotations
@@ -160,11 +162,13 @@ class SourceSpec:
     label_column: str = "label"
     max_read_rows_per_s: float | None = None  # a read task sleeps to stay under this rate
     tokenizer: str | None = None  # text, jsonl: a local tokenizer folder (None: text as bytes)
-    format: str = "text"  # jsonl: text | prompt_completion | chat
+    format: str = "text"  # jsonl: text | prompt_completion | chat | preference
     text_field: str = "text"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    chosen_field: str = "chosen"  # jsonl preference
+    rejected_field: str = "rejected"
     window_cache: bool = True  # tokenized: keep packed windows in the token cache
     tokenize_processes: int | str = "auto"  # tokenized: the driver's count pass's
     packing: str = "concat"  # jsonl: documents | concat (`packing.py`)
@@ -184,8 +188,13 @@ class SourceSpec:
                    max_read_rows_per_s=d.max_read_rows_per_s, tokenizer=d.tokenizer_for(m),
                    format=d.format, text_field=d.text_field, prompt_field=d.prompt_field,
                    completion_field=d.completion_field, messages_field=d.messages_field,
-                   window_cache=d.window_cache, tokenize_processes=d.tokenize_processes,
+                   chosen_field=d.chosen_field, rejected_field=d.rejected_field, window_cache=d.window_cache, tokenize_processes=d.tokenize_processes,
                    packing=d.resolved_packing)
+
+    @property
+    def pairs(self) -> bool:
+        """``data.format: preference``: rows of preference pairs (`pair_reader.py`), not windows."""
+        return self.kind == "jsonl" and self.format == "preference"
 
     @property
     def tokenized(self) -> bool:
@@ -202,6 +211,7 @@ class SourceSpec:
                          seq_len=self.seq_len, val_fraction=self.val_fraction,
                          text_field=self.text_field, prompt_field=self.prompt_field,
                          completion_field=self.completion_field, messages_field=self.messages_field,
+                         chosen_field=self.chosen_field, rejected_field=self.rejected_field,
                          window_cache=self.window_cache, tokenize_processes=self.tokenize_processes,
                          packing=self.packing if self.kind == "jsonl" else "concat")
 
@@ -222,7 +232,7 @@ class DataInfo:
     num_features: int = 0  # tabular
     num_classes: int = 0  # classification
     feature_columns: tuple[str, ...] = ()
-    truncated: int = 0  # data.packing documents: documents longer than a window, cut to it
+    truncated: int = 0  # data.packing documents: documents longer than a window, cut to it; preference: pairs
 
 
 # ---------------------------------------------------------------- text
@@ -346,16 +356,23 @@ def token_windows(index: int, piece: tuple[str, ...], spec: SourceSpec, split: s
     """Piece `index` tokenized and packed, the `split` part of it, about `rows` windows
     at a time (default `jsonl.stream_rows`) as it is tokenized, or from the token cache
     (`pieces.piece_windows`): tokens int32 and loss_mask uint8 (n, seq_len), sample_id (n,)."""
-    from raytrain_platform.data import pieces
+    from raytrain_platform.data import pair_reader, pieces
 
+    if spec.pairs:  # issue 49's hook: pairs are read by pair_reader (no packing, no token cache)
+        for chunk in pair_reader.stream_pair_rows(index, piece[0], spec.token_spec(), split, rows=rows):
+            yield spec.throttle(chunk)
+        return
     for chunk in pieces.piece_windows(index, piece, spec.token_spec(), split, text=spec.kind != "jsonl", rows=rows):
         yield spec.throttle(chunk)
 
 
 def _count_tokenized(spec: SourceSpec) -> DataInfo:
     """Exact window counts: tokenizes everything once, on the driver (before Ray)."""
-    from raytrain_platform.data import pieces
+    from raytrain_platform.data import pair_reader, pieces
 
+    if spec.pairs:  # issue 49's hook: every pair tokenized once on the driver (pair_reader)
+        train, val, truncated = pair_reader.count_pairs(spec.token_spec())
+        return DataInfo(num_train=train, num_val=val, truncated=truncated)
     if spec.kind == "jsonl":
         counted = pieces.count_packed(spec.token_spec())
         return DataInfo(num_train=counted.train, num_val=counted.val, truncated=counted.truncated)
