@@ -1,0 +1,76 @@
+"""`rtp plan` for preference tuning (issue 49, point 6): the reference model's bytes
+per device (a frozen copy sharded like the policy, or none with precomputed log-probs
+or LoRA) and a pair's two sequences in one forward (`plan/dpo.py`). Pure: no Ray."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from raytrain_platform.errors import ConfigError
+from raytrain_platform.plan.dpo import REFERENCE_PART, dpo_reference, estimate_dpo_memory, reference_bytes
+from raytrain_platform.plan.lora import lora_size
+from raytrain_platform.plan.memory import Layout, estimate_memory
+from raytrain_platform.plan.shapes import preset_shape
+
+LAYOUTS = [Layout(), Layout(dp=8, shard=8), Layout(dp=4, shard=4, tp=2), Layout(tp=4), Layout(dp=2),
+           Layout(pp=2, pp_split=(8, 24))]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"dp{lay.dp}-shard{lay.shard}-tp{lay.tp}-pp{lay.pp}")
+def test_the_reference_copy_holds_what_the_policy_holds_on_each_device(layout):
+    """Sharded like the policy: on every device its weights are the policy's parameter
+    bytes there (after TP, PP and FSDP), and it adds no gradients or optimizer state."""
+    m = preset_shape("llama2-7b")
+    policy = estimate_memory(model=m, layout=layout)
+    est = estimate_dpo_memory(model=m, layout=layout, reference="copy")
+    held = reference_bytes(model=m, layout=layout, reference="copy", pp_rank=est.pp_rank)
+    assert held == policy.params and dict(est.overhead_parts)[REFERENCE_PART] == held
+    assert (est.params, est.grads, est.optimizer) == (policy.params, policy.grads, policy.optimizer)
+
+
+def test_the_reference_of_a_real_model_is_its_parameter_bytes(tmp_path):
+    """A frozen copy of the tiny Llama (`copy.deepcopy`, as a trainer makes it) holds
+    4 bytes per parameter: the count transformers builds, not the planner's own."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    pytest.importorskip("transformers")
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_platform.models import get_family
+    from raytrain_platform.tools import tiny_llm
+
+    folder = tiny_llm.make_model(tmp_path / "m", vocab_size=300, num_layers=2)
+    family = get_family("hf")
+    shape = family.shape(family.resolve_kwargs({"path": str(folder), "init": "random"}), seq_len=32)
+    reference = copy.deepcopy(AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)).requires_grad_(False)
+    weights = sum(p.numel() * p.element_size() for p in reference.parameters())
+    assert reference_bytes(model=shape, layout=Layout(), reference="copy") == weights
+    assert reference_bytes(model=shape, layout=Layout(dp=2, shard=2), reference="copy") == weights // 2
+
+
+def test_a_pair_is_two_sequences_in_one_forward_and_the_reference_an_overhead_part():
+    m = preset_shape("gpt2")
+    layout = Layout(dp=2, shard=2, micro_batch=4)
+    sft, doubled = estimate_memory(model=m, layout=layout), estimate_memory(model=m, layout=Layout(dp=2, shard=2, micro_batch=8))
+    none = estimate_dpo_memory(model=m, layout=layout, reference="none")
+    copy = estimate_dpo_memory(model=m, layout=layout, reference="copy")
+    assert none.activations == doubled.activations > sft.activations and none == doubled
+    assert copy.total - none.total == reference_bytes(model=m, layout=layout, reference="copy") > 0
+    assert REFERENCE_PART not in dict(none.overhead_parts)
+
+
+def test_no_reference_with_precomputed_log_probs_or_lora():
+    assert [dpo_reference(precompute_reference=p, lora=lo) for p, lo in
+            ((False, False), (True, False), (False, True), (True, True))] == ["copy", "none", "none", "none"]
+    m = preset_shape("llama2-7b")
+    lora = lora_size(m, r=16, targets=("q_proj", "v_proj"))
+    est = estimate_dpo_memory(model=m, layout=Layout(dp=2), reference="none", lora=lora)
+    assert est == estimate_memory(model=m, layout=Layout(dp=2, micro_batch=2), lora=lora)
+    with pytest.raises(ConfigError, match="none with LoRA"):
+        estimate_dpo_memory(model=m, layout=Layout(), reference="copy", lora=lora)
+    with pytest.raises(ConfigError) as err:
+        reference_bytes(model=m, layout=Layout(), reference="auto")
+    assert err.value.field == "reference" and "one of ['copy', 'none']" in str(err.value)
