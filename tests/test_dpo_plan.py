@@ -74,3 +74,43 @@ def test_no_reference_with_precomputed_log_probs_or_lora():
     with pytest.raises(ConfigError) as err:
         reference_bytes(model=m, layout=Layout(), reference="auto")
     assert err.value.field == "reference" and "one of ['copy', 'none']" in str(err.value)
+
+
+def _plan(capsys, *flags: str) -> dict:
+    import json
+
+    from raytrain_platform.cli import main
+
+    assert main(["plan", "--model", "llama2-7b", "--device-mem", "80GiB", "--devices-per-node", "8",
+                 "--global-batch", "64", "--precision", "bf16", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_rtp_plan_counts_the_reference_per_layout_and_none_with_lora(capsys):
+    """``rtp plan --dpo copy``: every option's overhead holds the reference's weights for
+    its layout, and its activations are those of twice the sequences; ``--dpo none`` and
+    LoRA hold no reference (the bytes saved are the difference)."""
+    m = preset_shape("llama2-7b")
+    copy, none, sft = _plan(capsys, "--dpo", "copy"), _plan(capsys, "--dpo", "none"), _plan(capsys)
+    assert copy["request"]["dpo_reference"] == "copy" and sft["request"]["dpo_reference"] is None
+    for c, n in zip(copy["options"], none["options"]):
+        if not c["applicable"]:
+            continue
+        lay = Layout(**{k: c["layout"][k] for k in ("dp", "tp", "pp", "shard", "micro_batch", "micro_batches")})
+        held = estimate_dpo_memory(model=m, layout=lay, reference="copy", precision="bf16")
+        assert c["memory"]["overhead_parts"][REFERENCE_PART] == dict(held.overhead_parts)[REFERENCE_PART], c
+        assert c["memory"]["total"] == held.total
+        assert REFERENCE_PART not in n["memory"]["overhead_parts"]
+    # The same model without DPO fits the one device's accumulation at no more memory.
+    assert sft["options"][1]["memory"]["total"] < none["options"][1]["memory"]["total"]
+    lora = _plan(capsys, "--dpo", "copy", "--lora-r", "16")
+    assert all(REFERENCE_PART not in o["memory"]["overhead_parts"] for o in lora["options"] if o["memory"])
+    assert "reference model: none (its base, adapters disabled)" in _text(capsys, "--dpo", "copy", "--lora-r", "16")
+
+
+def _text(capsys, *flags: str) -> str:
+    from raytrain_platform.cli import main
+
+    assert main(["plan", "--model", "llama2-7b", "--device-mem", "80GiB", "--devices-per-node", "8",
+                 "--global-batch", "64", *flags]) == 0
+    return capsys.readouterr().out
