@@ -206,9 +206,9 @@ def encode_pairs(tok: Any, records: list[dict], spec: PairSpec, sample_ids: np.n
     rows = empty_pairs(len(records), spec.row_len)
     rows["sample_id"][:] = sample_ids
     pad, cut = pad_id(tok), np.zeros(len(records), dtype=bool)
-    for k, pair in enumerate(sides):
-        assert pair is not None, "every record has one shape"
-        for side, name in zip(pair, SIDES):
+    for k, found in enumerate(sides):
+        assert found is not None, "every record has one shape"
+        for side, name in zip(found, SIDES):
             tokens, mask, side_cut = _row(side, spec.row_len, pad)
             if not mask.any():
                 raise DataError(f"{where(k)}{_no_room(side, spec, spec.field(name))}")

@@ -182,7 +182,8 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
     plan = make_plan(model=shape, device_memory=hw.device_memory,
                      devices_per_node=hw.devices_per_node, nodes=hw.nodes, global_batch=global_batch,
                      precision=t.precision, optimizer=t.optimizer, headroom=hw.headroom,
-                     activation_checkpointing=cfg.parallel.activation_checkpointing, **pins, refused=refused,
+                     activation_checkpointing=cfg.parallel.activation_checkpointing, tp=pins.get("tp"),
+                     pp=pins.get("pp"), refused=refused,
                      # LoRA: the frozen base, and DDP or FSDP only (plan/lora.py)
                      lora=None if lora is None else model_lora_size(
                          get_family(cfg.model.name).build(cfg.model.kwargs, device="meta"), lora,

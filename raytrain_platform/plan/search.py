@@ -118,12 +118,14 @@ def fit_layout(req: PlanRequest, *, dp: int, tp: int = 1, pp: int = 1, shard: in
     def estimate(micro: int) -> Fit:
         layout = Layout(dp=dp, tp=tp, pp=pp, shard=shard, micro_batch=micro,
                         micro_batches=per_replica // micro)
-        common = dict(model=req.model, layout=layout, precision=req.precision, optimizer=req.optimizer,
-                      activation_checkpointing=req.activation_checkpointing, lora=req.lora)
         if req.dpo_reference is None:
-            est = estimate_memory(**common)
+            est = estimate_memory(model=req.model, layout=layout, precision=req.precision,
+                                  optimizer=req.optimizer,
+                                  activation_checkpointing=req.activation_checkpointing, lora=req.lora)
         else:  # LoRA's reference is its own base, adapters disabled: no copy
-            est = estimate_dpo_memory(**common, reference="none" if req.lora else req.dpo_reference)
+            est = estimate_dpo_memory(model=req.model, layout=layout, precision=req.precision,
+                                      optimizer=req.optimizer, activation_checkpointing=req.activation_checkpointing,
+                                      lora=req.lora, reference="none" if req.lora else req.dpo_reference)
         return Fit(layout, est, est.total <= req.budget)
 
     if not accumulate:
