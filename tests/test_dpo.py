@@ -75,11 +75,12 @@ def pairs(tokenizer) -> dict[str, torch.Tensor]:
 
 def dpo_config(tmp: Path, model_dir: Path, name: str, **sections) -> dict:
     """A DPO job on the hf model in `model_dir`: 5 steps of 8 pairs (one process: micro-batch 4 x accumulation 2);
-    `sections` update it key by key. The data section is a placeholder: the tests feed
-    their own pairs (dpo_pairs.FixedPairs)."""
+    `sections` update it key by key. The data section names a preference file that is
+    never read: the tests feed their own pairs (dpo_pairs.FixedPairs)."""
     cfg: dict = {
         "model": {"name": "hf", "kwargs": {"path": str(model_dir)}},
-        "data": {"source": "synthetic", "batch_size": 4, "seq_len": LENGTH - 1, "num_samples": 64},
+        "data": {"source": "jsonl", "format": "preference", "path": str(tmp / "pairs.jsonl"), "batch_size": 4,
+                 "seq_len": LENGTH - 1},
         "train": {"max_steps": 5, "grad_accum_steps": 2, "lr": 3e-3, "warmup_steps": 1, "grad_clip": 1.0,
                   "objective": "dpo"},
         "parallel": {"strategy": "none"},
@@ -440,8 +441,8 @@ def test_reference_folder_with_another_vocabulary_is_refused(tmp_path, tiny):
     with pytest.raises(ConfigError, match="train.dpo.reference = .*the policy's vocabulary of"):
         _load(dpo_config(tmp_path, tiny["model"], "vocab", train={"dpo": {"reference": str(other)}}))
     with pytest.raises(ConfigError, match=r"train.dpo.reference = .*'auto' for model 'gpt'"):
-        _load({**dpo_config(tmp_path, tiny["model"], "gpt", train={"dpo": {"reference": str(other)}}),
-               "model": {"name": "gpt"}})
+        _load({**dpo_config(tmp_path, tiny["model"], "gpt", train={"dpo": {"reference": str(other)}},
+                            data={"tokenizer": str(tiny["model"])}), "model": {"name": "gpt"}})
 
 
 def test_a_lora_dpo_checkpoint_exports_the_policy(tmp_path, tiny, pairs):

@@ -51,13 +51,18 @@ class JobConfig:
         self._check_objective()
 
     def _check_objective(self) -> None:
-        """``train.objective: dpo`` trains a language model, without pipeline stages (a
-        pipeline chunk would split a pair); a reference folder must suit the model."""
+        """``train.objective: dpo`` trains a language model on preference pairs
+        (``data.format: preference``, which no other objective reads), without pipeline
+        stages (a pipeline chunk would split a pair); a reference folder must suit the model."""
         t = self.train
+        check_field(t.objective == "dpo" or self.data.format != "preference", "data.format", self.data.format,
+                    f"not preference with train.objective {t.objective} (preference pairs train with dpo)")
         if t.objective != "dpo":
             return
         check_field(self.model.task == "lm", "train.objective", t.objective,
                     f"'sft' for a {self.model.task} model (dpo tunes a language model: model.task lm)")
+        check_field(self.data.format == "preference", "train.objective", t.objective,
+                    f"sft for data.format {self.data.format} (dpo trains on data.format preference: pairs)")
         check_field(self.parallel.pp_size == 1, "parallel.pp_size", self.parallel.pp_size,
                     "1 with train.objective dpo (pipeline chunks would split a chosen/rejected pair)")
         if t.dpo.reference != "auto":

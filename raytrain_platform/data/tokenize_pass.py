@@ -97,7 +97,7 @@ def _pack_piece(piece: Piece, blocks: Iterable[Tokenized], spec: TokenSpec, dire
     """Packs a piece's tokenized blocks in order and writes its windows per split."""
     packer = PiecePacker(piece, spec, rows=max(1, (1 << 16) // spec.seq_len))
     writers = {s: WindowWriter(join(directory, attempt, s, f"{piece.index:06d}.parquet"), spec.seq_len,
-                               spec.packing) for s in ("train", "val")}
+                               spec.packing, pairs=spec.pairs) for s in ("train", "val")}
     try:
         for tokenized in blocks:
             for split, chunk in packer.add(tokenized):
@@ -122,7 +122,7 @@ def _run_here(spec: SourceSpec, pieces: list[Piece], directory: str, attempt: st
     def blocks(piece: Piece) -> Iterator[Tokenized]:
         for block in piece.blocks():
             tokenized = tokenize_block(piece, block, token_spec)
-            progress.add(block.length or piece.size, tokenized.documents, int(tokenized.ids.size))
+            progress.add(block.length or piece.size, tokenized.documents, tokenized.tokens)
             yield tokenized
 
     return [_pack_piece(p, blocks(p), token_spec, directory, attempt) for p in pieces], progress
@@ -173,7 +173,7 @@ def tokenize_blocks(batch: dict[str, np.ndarray], *, spec: TokenSpec, staging: s
             f.write(tokenized.to_bytes())
         line, message = tokenized.error or (-2, "")
         for key, value in (("piece", piece.index), ("block", block.index), ("size", block.length or piece.size),
-                           ("documents", tokenized.documents), ("tokens", int(tokenized.ids.size)),
+                           ("documents", tokenized.documents), ("tokens", tokenized.tokens),
                            ("lines", tokenized.lines), ("error_line", line), ("error", message),
                            ("node", ray.get_runtime_context().get_node_id())):
             rows[key].append(value)
