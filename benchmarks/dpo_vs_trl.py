@@ -18,9 +18,9 @@ Sides, each at 1 and 2 processes (2: DDP on gloo, 127.0.0.1 only):
 - ``trl``: `_trl_dpo.py`, ``DPOTrainer`` as a user runs it (``python``, or ``torchrun``
   for 2 processes with ``use_cpu``); TRL tokenizes the records itself.
 - ``platform``: the same job on the Ray-free core (``torchrun -m raytrain_platform.core``)
-  with ``train.objective: dpo``. **Not measured yet**: the objective comes with the
-  training side of issue 49 (branch h-dpo); until it is merged this side reports
-  ``unavailable`` and no ratio is computed. The lead checks `platform_run` once merged.
+  with ``train.objective: dpo``, its pairs tokenized once by the tokenizing pass (in the
+  first process, before the timed steps). In a checkout without ``train.objective`` this
+  side reports ``unavailable`` and no ratio is computed.
 
 Figure: tokens per second = pairs per second (pairs per step over the median step time,
 after the first 3 steps) x the mean real tokens of a pair (prompt + response on both
@@ -87,19 +87,21 @@ def platform_available() -> bool:
 def _pair_tokens(llm: dict[str, Path], size: dict) -> float:
     """Mean real tokens of a pair as the platform encodes them: each side's tokens up to
     its last trained one (responses end the rows; padding follows)."""
-    from raytrain_platform.data.jsonl import JsonlSpec
-    from raytrain_platform.data.pair_reader import pair_rows
+    import numpy as np
 
-    spec = JsonlSpec(path=str(llm["preference"]), format="preference", tokenizer=str(llm["tokenizer"]),
-                     seq_len=size["seq_len"] + 1, val_fraction=0.0)
-    rows = pair_rows(0, spec.path, spec, "train")
+    from raytrain_platform.data.encode import load_tokenizer
+    from raytrain_platform.data.preference import PairSpec, encode_pairs
+
+    records = [json.loads(line) for line in Path(llm["preference"]).read_text().splitlines() if line.strip()]
+    tok = load_tokenizer(str(llm["tokenizer"]), need_chat_template=False)
+    rows, _ = encode_pairs(tok, records, PairSpec(row_len=size["seq_len"] + 1), np.arange(len(records)))
     width = rows["chosen_mask"].shape[1]
     ends = [width - m[:, ::-1].argmax(axis=1) for m in (rows["chosen_mask"], rows["rejected_mask"])]
     return float((ends[0] + ends[1]).mean())
 
 
 def platform_run(llm: dict[str, Path], processes: int, size: dict, work: Path, name: str) -> dict:
-    """The platform's side (see the module docstring): unverified until h-dpo is merged."""
+    """The platform's side (see the module docstring)."""
     import yaml
 
     from raytrain_platform.core.rundir import read_metrics

@@ -118,10 +118,10 @@ class Tokenized:
         """As an .npz (no pickled objects)."""
         out = io.BytesIO()
         line, message = self.error if self.error else (-2, "")
-        pairs = {f"pair_{k}": v for k, v in (self.pairs or {}).items()}
+        arrays: dict[str, Any] = {f"pair_{k}": v for k, v in (self.pairs or {}).items()}
         np.savez(out, ids=self.ids, mask=self.mask, lengths=self.lengths, lines_of=self.lines_of,
                  lines=np.int64(self.lines), error_line=np.int64(line), error=np.str_(message),
-                 is_pairs=np.bool_(self.pairs is not None), cut=np.int64(self.cut), **pairs)
+                 is_pairs=np.bool_(self.pairs is not None), cut=np.int64(self.cut), **arrays)
         return out.getvalue()
 
     @classmethod

@@ -301,7 +301,8 @@ def prepare(spec: SourceSpec, *, on_ray: bool | None = None, say: Callable[[str]
                 found = _write(spec, pieces, directory, _run_on_ray if use_ray else _run_here, say)
     else:
         w = found.windows
-        say(f"tokenized data: {w['train']:,} train + {w['val']:,} validation windows, written before: {directory}")
+        rows = "pairs" if spec.token_spec().pairs else "windows"
+        say(f"tokenized data: {w['train']:,} train + {w['val']:,} validation {rows}, written before: {directory}")
     if found.windows["train"] == 0:
         raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = {spec.seq_len - 1} "
                         "tokens (+1) (too little data, or lower data.seq_len)")
@@ -322,7 +323,8 @@ def _write(spec: SourceSpec, pieces: list[Piece], directory: str, run: Callable,
     manifest = Manifest(directory, content)
     manifest.write()
     nodes = f" on {len(progress.nodes)} node(s)" if progress.nodes else ""
-    say(f"tokenized {total['documents']:,} documents, {total['tokens']:,} tokens into {total['train']:,} train + "
-        f"{total['val']:,} validation windows ({_size_text(total['bytes'])}) in {progress.seconds:.1f} s{nodes}: "
+    docs, rows = ("records", "pairs") if t.pairs else ("documents", "windows")
+    say(f"tokenized {total['documents']:,} {docs}, {total['tokens']:,} tokens into {total['train']:,} train + "
+        f"{total['val']:,} validation {rows} ({_size_text(total['bytes'])}) in {progress.seconds:.1f} s{nodes}: "
         f"{directory}")
     return manifest
