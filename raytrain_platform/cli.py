@@ -45,6 +45,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if job.config.data.packing == "documents":
         print(f"data.packing documents: whole documents in windows of {job.config.seq_len} + 1 tokens; "
               f"{job.data.truncated} longer than that, truncated")
+    if job.config.data.format == "preference":
+        print(f"data.format preference: one pair per row of {job.config.seq_len} + 1 tokens per side; "
+              f"{job.data.truncated} pairs longer than that, their responses' ends cut")
     return 0
 
 

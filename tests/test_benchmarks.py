@@ -230,3 +230,16 @@ def test_tokenize_pass_smoke():
     """The tokenizing pass against Ray Data and datasets.map, on 1 MB: every side counts the same tokens."""
     out = _run(["benchmarks/tokenize_pass.py", "--smoke"])
     assert "| pass | " in out and "| ray_data | " in out and "| datasets | " in out and "wrote" not in out
+
+
+@pytest.mark.extended  # a tokenizer trained, TRL's DPOTrainer at 1 and 2 processes: about a minute on 2 cores
+@pytest.mark.slow
+def test_dpo_vs_trl_smoke(tmp_path):
+    """TRL's DPOTrainer and the platform's torchrun core on the tiny model's preference
+    pairs at 1 and 2 processes (DDP on gloo)."""
+    pytest.importorskip("trl", reason="benchmark extra: pip install -e '.[bench]'")
+    out = _run(["benchmarks/dpo_vs_trl.py", "--smoke", "--out", str(tmp_path / "dpo.json")])
+    assert "| processes | TRL tokens/s |" in out
+    summary = json.loads((tmp_path / "dpo.json").read_text())["summary"]
+    assert summary["trl_1_tokens_per_s"] > 0 and summary["trl_2_tokens_per_s"] > 0, summary
+    assert summary["platform_1_tokens_per_s"] > 0 and summary["platform_2_tokens_per_s"] > 0, summary

@@ -195,7 +195,7 @@ def test_an_hf_model_reads_text_with_its_own_tokenizer(tiny, tmp_path):
      "a local tokenizer folder for data.source jsonl (model 'user_models:tiny_llama' has no tokenizer"),
     ({"data": {"path": None}}, "data.path", "a .jsonl file, a folder of them or a URI"),
     ({"data": {"source": "text"}}, "data.format", "'text' for data.source text"),
-    ({"data": {"format": "csv"}}, "data.format", "one of ['text', 'prompt_completion', 'chat', 'alpaca', 'sharegpt']"),
+    ({"data": {"format": "csv"}}, "data.format", "one of ['text', 'prompt_completion', 'chat', 'alpaca', 'sharegpt', 'preference']"),
     ({"data": {"source": "synthetic", "format": "text"}}, "data.tokenizer", "null for data.source synthetic"),
     ({"data": {"messages_field": ""}}, "data.messages_field", "a JSON field name"),
     ({"model": {"name": "mlp", "task": None, "kwargs": {}}, "data": {"seq_len": None}}, "data.source",

@@ -222,6 +222,7 @@ DATA_LAYERS: list[set[str]] = [
     {"pieces"},  # a tokenized source in pieces and blocks
     {"jsonl", "tables", "text_groups", "raw"},  # one reader per source
     {"parquet"},  # tabular Parquet (its files are listed for tables too)
+    {"preference"},  # preference pairs as rows (data.format preference)
     {"encode", "packing", "mixture"},  # tokenizing records, packing documents, a mixture's plan
     {"specs"},  # plain specs
     {"splits"},  # file systems, the split's rules

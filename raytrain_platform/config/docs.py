@@ -60,11 +60,23 @@ def field_docs() -> dict[str, dict[str, str]]:
     return docs
 
 
+def _keys(prefix: str, cls: type) -> list[tuple[str, type, dataclasses.Field[Any]]]:
+    """Every key of the section `cls` as (``section.field``, its class, its field), a nested
+    section's keys (``train.dpo.beta``) right after the field holding it."""
+    out = []
+    for f in dataclasses.fields(cls):
+        out.append((f"{prefix}.{f.name}", cls, f))
+        nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if isinstance(nested, type) and dataclasses.is_dataclass(nested):
+            out += _keys(f"{prefix}.{f.name}", nested)
+    return out
+
+
 def undocumented() -> list[str]:
     """Config keys (``section.field``) whose field has no docstring; empty when all do."""
     docs = field_docs()
-    return [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)
-            if not docs.get(cls.__name__, {}).get(f.name)]
+    return [key for name, cls in SECTIONS.items() for key, owner, f in _keys(name, cls)
+            if not docs.get(owner.__name__, {}).get(f.name)]
 
 
 def _default(f: dataclasses.Field[Any]) -> str:
@@ -72,6 +84,8 @@ def _default(f: dataclasses.Field[Any]) -> str:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:
         value = f.default_factory()
+        if dataclasses.is_dataclass(value):  # a nested section: its keys follow, each with its default
+            return "(keys below)"
     else:
         return "required"
     if value is None:
@@ -87,9 +101,9 @@ def render() -> str:
     out = [_INTRO]
     for name, cls in SECTIONS.items():
         out += [f"## `{name}`", "", "| key | default | meaning |", "|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            text = docs.get(cls.__name__, {}).get(f.name, "(undocumented)").replace("|", "\\|")
-            out.append(f"| `{name}.{f.name}` | {_default(f)} | {text} |")
+        for key, owner, f in _keys(name, cls):
+            text = docs.get(owner.__name__, {}).get(f.name, "(undocumented)").replace("|", "\\|")
+            out.append(f"| `{key}` | {_default(f)} | {text} |")
         out.append("")
     return "\n".join(out)
 

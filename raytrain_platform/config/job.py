@@ -48,6 +48,25 @@ class JobConfig:
         self._check_batch()
         self._check_block_options()
         self._check_model_data()
+        self._check_objective()
+
+    def _check_objective(self) -> None:
+        """``train.objective: dpo`` trains a language model on preference pairs
+        (``data.format: preference``, which no other objective reads), without pipeline
+        stages (a pipeline chunk would split a pair); a reference folder must suit the model."""
+        t = self.train
+        check_field(t.objective == "dpo" or self.data.format != "preference", "data.format", self.data.format,
+                    f"not preference with train.objective {t.objective} (preference pairs train with dpo)")
+        if t.objective != "dpo":
+            return
+        check_field(self.model.task == "lm", "train.objective", t.objective,
+                    f"'sft' for a {self.model.task} model (dpo tunes a language model: model.task lm)")
+        check_field(self.data.format == "preference", "train.objective", t.objective,
+                    f"sft for data.format {self.data.format} (dpo trains on data.format preference: pairs)")
+        check_field(self.parallel.pp_size == 1, "parallel.pp_size", self.parallel.pp_size,
+                    "1 with train.objective dpo (pipeline chunks would split a chosen/rejected pair)")
+        if t.dpo.reference != "auto":
+            get_family(self.model.name).reference_kwargs(self.model.kwargs, t.dpo.reference)
 
     def _check_layout(self) -> None:
         """Strategy, model-parallel sizes and workers agree (sizes multiply to the workers)."""
@@ -204,12 +223,15 @@ class JobConfig:
         split = [x for x in (f"tp {par.tp_size}" if par.tp_size > 1 else "",
                              f"pp {par.pp_size} {par.pp_schedule}" if par.pp_size > 1 else "") if x]
         blocks = " and ".join(done for name, (_, done) in par.BLOCK_OPTIONS.items() if getattr(par, name))
+        dpo = (f"; dpo ({t.dpo.loss}, beta {t.dpo.beta}, reference "
+               f"{'precomputed' if t.dpo.precompute_reference else t.dpo.reference})"
+               if t.objective == "dpo" else "")
         return (f"run '{self.run.name}': model {self.model.name} ({self.model.task}){adapters} on {d.source} data; "
                 f"{par.strategy} x {s.num_workers} worker(s) "
                 f"{f'(elastic, from {s.min_workers}) ' if s.elastic else ''}"
                 f"({', '.join([*split, 'GPU' if s.use_gpu else 'CPU'])})"
                 f"{f'; blocks {blocks}' if blocks else ''}; micro-batch {d.batch_size} x accum "
-                f"{t.grad_accum_steps} = global batch {global_batch}; {stop}; "
+                f"{t.grad_accum_steps} = global batch {global_batch}{dpo}; {stop}; "
                 f"run dir {self.run.run_dir}")
 
 

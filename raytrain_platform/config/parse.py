@@ -20,10 +20,12 @@ __all__ = ["read_yaml", "apply_overrides", "add_set_flag", "build_section", "par
 
 
 def section_dict(section: Any) -> dict:
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+    """A section's fields as plain data; a nested section (``train.dpo``) as a mapping."""
+    return {f.name: section_dict(v) if dataclasses.is_dataclass(v := getattr(section, f.name)) else v
+            for f in dataclasses.fields(section)}
 
 
-def build_section(cls: type[Section], data: Any) -> Any:
+def build_section(cls: type[Section] | type[Any], data: Any) -> Any:
     section = cls.SECTION
     check_field(isinstance(data, dict), section, data, "a mapping of keys to values")
     if hasattr(cls, "normalize"):  # a section's shorthand forms, e.g. elastic num_workers
@@ -60,6 +62,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             except ConfigError as exc:
                 allowed.append(exc.allowed)
         raise ConfigError(path, value, " or ".join(allowed) + (" or null" if type(None) in args else ""))
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a nested section (train.dpo): its own keys, checks
+        return build_section(tp, value)
     if tp is bool:
         check_field(isinstance(value, bool), path, value, "true or false")
         return value

@@ -19,7 +19,7 @@ from raytrain_platform.parallel.dims import PP_SCHEDULES
 from raytrain_platform.parallel.registry import STRATEGIES, strategy_names
 from raytrain_platform.units import parse_size
 
-__all__ = ["ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "ScalingConfig", "RunConfig",
+__all__ = ["ModelConfig", "DataConfig", "DpoConfig", "TrainConfig", "ParallelConfig", "ScalingConfig", "RunConfig",
            "SECTIONS", "Section", "SourceEntry", "TRACKERS", "MAX_MIX_SOURCES", "check_field"]
 
 _REQUIRED: Any = dataclasses.MISSING
@@ -116,7 +116,11 @@ class DataConfig:
     `input` and `system`, `output`: chat messages as LLaMA-Factory makes them; the loss counts only the output's
     turn), `sharegpt` (`conversations` of `from`/`value`, `from` human/gpt/system or user/assistant; the loss
     counts only the gpt turns). Documents end with EOS and are packed into windows of `data.seq_len + 1`
-    tokens; how they are counted, kept and read: [data.md](data.md#jsonl-and-tokenized-text)."""
+    tokens; how they are counted, kept and read: [data.md](data.md#jsonl-and-tokenized-text). `preference`
+    (`jsonl` only; with `train.objective: dpo`, and only with it): pairs for preference tuning,
+    `{prompt, chosen, rejected}` as strings or as message lists (chat template), one pair per row of
+    `data.seq_len + 1` tokens per side, never packed; the loss counts only the responses; see
+    [preference.md](preference.md#data)."""
     tokenizer: Union[str, None] = None
     """`text`, and records (`jsonl`, `hf_dataset`, `parquet` with an `lm` model): a local Hugging Face
     tokenizer folder (never downloaded). Default: the model family's own (an `hf` model's directory); a family
@@ -126,7 +130,7 @@ class DataConfig:
     text_field: str = "text"  # record field (or column) names, per format
     """`text` format: the field (a table's column) holding the text."""
     prompt_field: str = "prompt"
-    """`prompt_completion` format: the prompt's field."""
+    """`prompt_completion` and `preference` formats: the prompt's field."""
     completion_field: str = "completion"
     """`prompt_completion` format: the completion's field."""
     messages_field: str = "messages"
@@ -142,6 +146,12 @@ class DataConfig:
     """`alpaca` format: the optional system prompt's field (a system message where it is not empty)."""
     conversations_field: str = "conversations"
     """`sharegpt` format: the field holding `[{"from": ..., "value": ...}, ...]`."""
+    chosen_field: str = "chosen"
+    """`preference` format: the preferred response's field (a string, or a list of assistant messages when the
+    prompt is a list of messages)."""
+    rejected_field: str = "rejected"
+    """`preference` format: the dispreferred response's field (the same type as `chosen_field`'s; a record
+    whose rejected equals its chosen is an error)."""
     feature_columns: Union[list[str], None] = None  # parquet: input columns (default: all but label)
     """`parquet` (tabular): input columns (default: every column but the label)."""
     label_column: str = "label"
@@ -202,6 +212,7 @@ class DataConfig:
     into windows (a document may span two and attends to those before it). Default: `documents` for
     every format but `text` where the model is shown to keep packed documents apart (`hf` architectures
     but OPT; user models whose forward takes `position_ids`), else `concat`. Not with `parallel.pp_size > 1`.
+    `preference` pairs are never packed (one pair per row): `documents` is refused, `concat` has no effect.
     See [data.md](data.md#packing-documents-or-one-stream)."""
     sources: Union[list[dict], None] = None
     """A weighted mixture, in place of `data.path`: a list of entries `{path, weight, source, format,
@@ -219,10 +230,11 @@ class DataConfig:
     _SOURCES: ClassVar[tuple[str, ...]] = ("parquet", "synthetic", "text", "jsonl", "hf_dataset")
     # Sources of records in data.format (parquet's with an lm model only: JobConfig checks it).
     RECORD_SOURCES: ClassVar[tuple[str, ...]] = ("jsonl", "hf_dataset", "parquet")
-    _FORMATS: ClassVar[tuple[str, ...]] = ("text", "prompt_completion", "chat", "alpaca", "sharegpt")  # data/encode.py
+    _FORMATS: ClassVar[tuple[str, ...]] = ("text", "prompt_completion", "chat", "alpaca", "sharegpt",
+                                           "preference")  # data/encode.py, data/preference.py
     _FIELDS: ClassVar[tuple[str, ...]] = ("text_field", "prompt_field", "completion_field", "messages_field",
                                           "instruction_field", "input_field", "output_field", "system_field",
-                                          "conversations_field")
+                                          "conversations_field", "chosen_field", "rejected_field")
     MIX_SOURCES: ClassVar[tuple[str, ...]] = ("jsonl", "text", "hf_dataset", "parquet")  # tokenized: data/mixture.py
     _ENTRY_KEYS: ClassVar[tuple[str, ...]] = ("path", "weight", "source", "format", *_FIELDS)
 
@@ -232,6 +244,8 @@ class DataConfig:
         check_field(self.format == "text" or self.source in self.RECORD_SOURCES, "data.format", self.format,
                f"'text' for data.source {self.source} (the other formats are records of "
                f"{', '.join(self.RECORD_SOURCES)})")
+        check_field(self.format != "preference" or self.source == "jsonl", "data.format", self.format,
+               f"not preference for data.source {self.source} (preference pairs are read from jsonl)")
         if self.tokenizer is not None:
             check_field(self.source in ("text", *self.RECORD_SOURCES), "data.tokenizer", self.tokenizer,
                    f"null for data.source {self.source} (a tokenizer reads text and records)")
@@ -275,6 +289,8 @@ class DataConfig:
         check_field(self.packing != "documents" or self.source in self.RECORD_SOURCES, "data.packing",
                self.packing, f"concat for data.source {self.source} (documents packs records of "
                f"{', '.join(self.RECORD_SOURCES)})")
+        check_field(self.packing != "documents" or self.format != "preference", "data.packing", self.packing,
+               "null or concat for data.format preference (one pair per row, never packed)")
         check_field(self.feature_columns is None or len(self.feature_columns) > 0,
                "data.feature_columns", self.feature_columns, "a non-empty list of column names or null")
         self._check_sources()
@@ -289,7 +305,9 @@ class DataConfig:
                     f"a list of 1 to {MAX_MIX_SOURCES} entries, or null")
         check_field(self.source in self.MIX_SOURCES, "data.source", self.source,
                     f"one of {list(self.MIX_SOURCES)} with data.sources (the source its entries default to)")
-        self.source_entries()
+        for index, entry in enumerate(self.source_entries()):  # a mixture draws windows; pairs are not
+            check_field(entry.data.format != "preference", f"data.sources[{index}].format", entry.data.format,
+                        "a format of documents, not preference (preference pairs are read from data.path alone)")
 
     def source_entries(self) -> list["SourceEntry"]:
         """Every entry of `sources` (`source_entry`), in order; empty without a mixture."""
@@ -340,14 +358,15 @@ class DataConfig:
     def resolved_packing(self) -> str:
         """``packing``, or where unset the format's default: documents for records of
         every format but text, concat otherwise (resolve_job sets it to concat for a
-        model that takes no position ids).
+        model that takes no position ids; preference pairs are never packed, whatever it says).
 
         >>> DataConfig(source="jsonl", path="d", format="chat", batch_size=8).resolved_packing
         'documents'
         """
         if self.packing is not None:
             return self.packing
-        return "documents" if self.source in self.RECORD_SOURCES and self.format != "text" else "concat"
+        return "documents" if self.source in self.RECORD_SOURCES and self.format not in ("text", "preference") \
+            else "concat"
 
     def reads_records(self, model: ModelConfig) -> bool:
         """Whether the source is records of ``format`` (jsonl, hf_dataset, and parquet
@@ -372,6 +391,44 @@ class DataConfig:
         """
         root = self.cache_path or storage_path.rstrip("/") + "/datasets"
         return root if "://" in root else os.path.abspath(os.path.expanduser(root))
+
+
+@dataclass
+class DpoConfig:
+    """`train.dpo`: preference tuning (`train.objective: dpo`); the losses as TRL defines them
+    (models/preference.py). See [preference.md](preference.md)."""
+
+    SECTION: ClassVar[str] = "train.dpo"
+    beta: float = 0.1
+    """How far the policy may move from the reference: the rewards are `beta` x (policy - reference)
+    log-probs of a response; for `ipo`, the regularization `tau` of the IPO paper. A number > 0."""
+    loss: str = "sigmoid"
+    """`sigmoid` (DPO), `ipo` (squared loss on the length-normalized log-ratio margin) or `hinge` (SLiC), as
+    TRL's `DPOTrainer` computes them."""
+    label_smoothing: float = 0.0
+    """Conservative DPO (`loss: sigmoid` only): the share of preference labels assumed flipped, in [0, 0.5)."""
+    reference: str = "auto"
+    """The frozen reference model. `auto`: the policy's own starting weights (the pretrained files or the
+    seed's initialization): a frozen copy sharded like the policy, or with `model.lora` the same model with
+    its adapters switched off (no second copy). A path: a Hugging Face model folder (`hf` models) with the
+    same vocabulary, built and sharded like the policy."""
+    precompute_reference: bool = False
+    """The batches carry the reference log-probs (`ref_chosen_logps`, `ref_rejected_logps`), computed in a
+    pass before training: no reference model is built while training."""
+
+    _LOSSES: ClassVar[tuple[str, ...]] = ("sigmoid", "ipo", "hinge")
+
+    def __post_init__(self) -> None:
+        check_field(self.beta > 0, "train.dpo.beta", self.beta, "a number > 0")
+        check_field(self.loss in self._LOSSES, "train.dpo.loss", self.loss, f"one of {list(self._LOSSES)}")
+        check_field(0.0 <= self.label_smoothing < 0.5, "train.dpo.label_smoothing", self.label_smoothing,
+                    "a number in [0, 0.5)")
+        check_field(self.label_smoothing == 0.0 or self.loss == "sigmoid", "train.dpo.label_smoothing",
+                    self.label_smoothing, f"0 for train.dpo.loss {self.loss} (label smoothing is sigmoid's)")
+        check_field(bool(self.reference.strip()), "train.dpo.reference", self.reference,
+                    "'auto' or a Hugging Face model folder")
+        if self.reference != "auto":
+            self.reference = os.path.abspath(os.path.expanduser(self.reference))  # workers: another cwd
 
 
 @dataclass
@@ -425,7 +482,15 @@ class TrainConfig:
     stage, or a head whose input is a sequence shard, runs every position); a model whose forward reshapes
     its head's output is refused at the first step, naming `all`."""
 
+    objective: str = "sft"
+    """`sft`: next-token cross-entropy on the counted tokens (pretraining, instruction tuning). `dpo`:
+    preference tuning on pairs of a chosen and a rejected response (`lm` models, not with
+    `parallel.pp_size > 1`), set in `train.dpo`; see [preference.md](preference.md)."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """Preference tuning, read with `train.objective: dpo`: the keys below."""
+
     _ON_NONFINITE: ClassVar[tuple[str, ...]] = ("stop", "skip_step")
+    _OBJECTIVES: ClassVar[tuple[str, ...]] = ("sft", "dpo")
     _LOGITS: ClassVar[tuple[str, ...]] = ("counted", "all")
 
     def __post_init__(self) -> None:
@@ -460,6 +525,8 @@ class TrainConfig:
                f"one of {list(self._ON_NONFINITE)}")
         check_field(self.max_nonfinite_skips >= 1, "train.max_nonfinite_skips", self.max_nonfinite_skips,
                "an integer >= 1 (consecutive skipped steps before the run stops)")
+        check_field(self.objective in self._OBJECTIVES, "train.objective", self.objective,
+                    f"one of {list(self._OBJECTIVES)}")
 
 
 @dataclass

@@ -10,6 +10,7 @@ slices of the files: no rank ever holds the whole model.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -26,7 +27,7 @@ from raytrain_platform.parallel.base import Parallelized
 from raytrain_platform.parallel.compose import parallelize
 from raytrain_platform.parallel.registry import get_strategy
 
-__all__ = ["BuiltModel", "build_model", "fill_pretrained"]
+__all__ = ["BuiltModel", "build_model", "build_reference", "fill_pretrained"]
 
 
 @dataclass
@@ -98,3 +99,35 @@ def build_model(cfg: JobConfig, env: DistEnv, family: ModelFamily, *, resuming: 
     # Replicas (none, ddp) hold the whole model anyway; load before DDP broadcasts it.
     fill(model)
     return BuiltModel(parallelized(model), counts, base)
+
+
+def build_reference(cfg: JobConfig, env: DistEnv, family: ModelFamily) -> Parallelized:
+    """A preference run's frozen reference model (``train.dpo.reference``): the policy's
+    starting weights (its pretrained files, or the seed's initialization) or another
+    model folder's, sharded like the policy (FSDP, TP, TP x FSDP) so that no rank holds
+    more of it than of the policy; a replica (none, DDP) is the whole model, unwrapped
+    (nothing to sync). No adapters, no gradients, no optimizer; in eval mode."""
+    m, ref = cfg.model, cfg.train.dpo.reference
+    kwargs = m.kwargs if ref == "auto" else family.reference_kwargs(m.kwargs, ref)
+    # no backward: activation checkpointing and compile would only cost
+    strategy = "none" if cfg.parallel.strategy == "ddp" else cfg.parallel.strategy
+    par = dataclasses.replace(cfg.parallel, strategy=strategy, activation_checkpointing=False, compile=False)
+    torch.manual_seed(cfg.train.seed)  # a random init is the policy's own
+    files = family.pretrained_files(kwargs)
+
+    def parallelized(model: torch.nn.Module) -> Parallelized:
+        return parallelize(model, env=env, cfg=par, family=family, model_kwargs=kwargs, block_class=m.block_class)
+
+    if files is None:
+        wrapped = parallelized(family.build(kwargs).to(env.device))
+    elif get_strategy(par.strategy).shards_state or par.tp_size > 1:
+        model = family.build(kwargs, device="meta")
+        wrapped = parallelized(model)  # each rank reads only its shards' slices
+        fill_pretrained(model, family, files, env.device)
+    else:
+        model = family.build(kwargs, device="meta")
+        fill_pretrained(model, family, files, env.device)
+        wrapped = parallelized(model)
+    # after sharding: TP registers gradient hooks, which a frozen parameter refuses
+    wrapped.module.requires_grad_(False).eval()
+    return wrapped

@@ -29,6 +29,7 @@ from raytrain_platform.core.counted import counted_positions, counted_rows
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
 from raytrain_platform.core.nonfinite import NonFiniteGuard
 from raytrain_platform.core.optim import build_optimizer, lr_at
+from raytrain_platform.core.preference import PreferenceObjective
 from raytrain_platform.core.profile import StepProfiler
 from raytrain_platform.data.dealing import EVAL_PAD
 from raytrain_platform.models.registry import get_family
@@ -103,6 +104,10 @@ class Engine:
         self.aux_coef = self.family.aux_loss_coef(self.cfg.model.kwargs)
         self._aux_sum = torch.zeros((), device=env.device)  # unweighted, since the last report
         self._aux_count = 0
+        # train.objective dpo: pairs of responses, a reference model (core/preference.py)
+        self.preference = (PreferenceObjective(self.cfg, env, family=self.family, task=self.task,
+                                               wrapped=self.wrapped, head=self.head, autocast=self.autocast)
+                           if t.objective == "dpo" else None)
 
     # ------------------------------------------------------------ state
 
@@ -134,8 +139,8 @@ class Engine:
     def _to_device(self, batch: Batch) -> Batch:
         out = {}
         for k, v in batch.items():
-            if k == "tokens":
-                v = v.long()  # stored as uint8 bytes
+            if k == "tokens" or k.endswith("_tokens"):
+                v = v.long()  # stored as uint8 bytes (a DPO pair's chosen_tokens, rejected_tokens: ids)
             out[k] = v.to(self.env.device, non_blocking=True)
         return out
 
@@ -143,10 +148,14 @@ class Engine:
         """What each micro-batch's summed loss is multiplied by: data-parallel size over
         the optimizer step's counted targets on all data-parallel ranks. DDP and FSDP
         average gradients over those ranks, so the step's gradient is the mean over every
-        counted target of the global batch, whatever the layout or accumulation."""
-        local = sum(self.task.num_targets(self.task.split(b)[1]) for b in batches)
-        if "loss_mask" not in batches[0]:  # every rank counts the same number
-            return 1.0 / max(local, 1)
+        counted target of the global batch, whatever the layout or accumulation. DPO counts
+        pairs: the step's gradient is the mean over its pairs."""
+        if self.preference is not None:
+            local = sum(int(b["sample_id"].numel()) for b in batches)
+        else:
+            local = sum(self.task.num_targets(self.task.split(b)[1]) for b in batches)
+            if "loss_mask" not in batches[0]:  # every rank counts the same number
+                return 1.0 / max(local, 1)
         # Masked targets differ per rank: one scalar all-reduce. TP/PP ranks of one
         # data-parallel group hold the same batch, so the world sum counts it `copies` times.
         copies = self.env.world_size // self.data_world
@@ -154,22 +163,31 @@ class Engine:
         return self.data_world / max(total, 1.0)
 
     def _head_for(self, batch: Batch) -> torch.nn.Module | None:
-        """The output head to run on counted tokens only: with a loss mask (without one,
-        every token counts)."""
-        return self.head if "loss_mask" in batch else None
+        """The output head to run on counted tokens only: with a loss mask, or on DPO pairs
+        (without one, every token counts)."""
+        return self.head if "loss_mask" in batch or self.preference is not None else None
 
     def _rows(self, batch: Batch) -> torch.Tensor | None:
         """The counted rows for the output head (`counted_rows`), None for every position."""
         head = self._head_for(batch)
-        return None if head is None else counted_rows(self.task.split(batch)[1])
+        if head is None:
+            return None
+        return self.preference.rows(batch) if self.preference is not None else counted_rows(self.task.split(batch)[1])
 
     def micro_step(self, batch: Batch, *, sync: bool, scale: float | None = None,
                    rows: torch.Tensor | None | EllipsisType = ...) -> torch.Tensor:
         """Forward and backward of one micro-batch; its loss times `scale` (default: the
         mean over this micro-batch alone, for a step of one micro-batch). `rows`: the
         output head's counted rows (`_rows`; default: taken here)."""
-        inputs, targets = self.task.split(batch)
         scale = self.loss_scale([batch]) if scale is None else scale
+        if self.preference is not None:  # a pair's chosen and rejected in one forward, with the reference's
+            with contextlib.nullcontext() if sync else self.wrapped.no_sync():
+                pair_loss, outputs = self.preference.loss_sum(batch, self._rows(batch) if rows is ... else rows)
+                loss = pair_loss * scale
+                aux = self._aux_loss(outputs)
+                (loss if aux is None else loss + aux).backward()
+            return loss.detach()
+        inputs, targets = self.task.split(batch)
         if self.wrapped.pipeline is not None:  # PP: the schedule runs forward and backward
             with self.autocast:
                 return self.wrapped.pipeline.train(
@@ -224,8 +242,9 @@ class Engine:
         """This rank's bytes of parameters, gradients and optimizer state: exact, from
         the local shards (a DTensor counts only its ``to_local()`` part)."""
         held = state_bytes(self.wrapped.module, self.optimizer)
+        reference = {} if self.preference is None else self.preference.memory()
         return {"param_bytes": held["params"], "grad_bytes": held["grads"],
-                "optim_bytes": held["optimizer"], **self.param_counts}
+                "optim_bytes": held["optimizer"], **reference, **self.param_counts}
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> dict[str, float]:
@@ -233,6 +252,10 @@ class Engine:
         over them and over the ranks, then divided (a token-weighted mean for an LM). A
         batch marked `EVAL_PAD` runs (its forward is a collective) and adds nothing."""
         self.wrapped.module.eval()
+        if self.preference is not None:
+            metrics = self.preference.evaluate(batches, self._to_device)
+            self.wrapped.module.train()
+            return metrics
         sums = torch.zeros(3)
         for batch in batches:
             counts = not batch.get(EVAL_PAD)
@@ -351,7 +374,8 @@ class Engine:
         for micro, batch in enumerate(batches):
             if profiler and mode:
                 profiler.see(self.state.epoch, batch["sample_id"])
-            n_units += batch["sample_id"].numel() * self.task.units_per_sample(batch)
+            n_units += batch["sample_id"].numel() * (self.task.units_per_sample(batch) if self.preference is None
+                                                     else self.preference.tokens_per_pair(batch))
             t1 = time.perf_counter()
             loss_sum += self.micro_step(batch, scale=scale, sync=micro == accum - 1 and not apart,
                                         rows=rows[micro])
@@ -421,6 +445,8 @@ class Engine:
             metrics["aux_loss"] = float(total[0]) / max(float(total[1]), 1.0)
             self._aux_sum.zero_()
             self._aux_count = 0
+        if self.preference is not None:
+            metrics.update(self.preference.window_metrics())
         metrics.update(self._memory or {})
         if self.env.device.type == "cuda":
             metrics["peak_mem_bytes"] = torch.cuda.max_memory_allocated(self.env.device)

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ENCODE_BATCH", "ENCODE_CHARS", "FORMATS", "CHAT_FORMATS", "SHAREGPT_ROLES", "RecordSpec",
            "record_spec", "RecordError", "load_tokenizer", "folder_state", "tokenizer_for_format", "check_record",
-           "chat_messages", "encode_records", "encode_record", "text_documents", "encode_batches", "check_fits"]
+           "chat_messages", "encode_records", "encode_record", "text_documents", "encode_batches", "check_fits",
+           "check_unicode", "check_messages", "token_ids", "bos_ids", "render_chat", "assistant_spans"]
 
 CHAT_FORMATS = ("chat", "alpaca", "sharegpt")  # rendered by the tokenizer's chat template
 # ShareGPT's `from` → chat role. human/gpt/system are ShareGPT's own (and LLaMA-Factory's
@@ -69,6 +70,8 @@ class RecordSpec:
     output_field: str = "output"
     system_field: str = "system"
     conversations_field: str = "conversations"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -85,7 +88,8 @@ class RecordSpec:
                 "prompt_completion": ((self.prompt_field, self.completion_field), ()),
                 "chat": ((self.messages_field,), ()),
                 "alpaca": ((self.instruction_field, self.output_field), (self.input_field, self.system_field)),
-                "sharegpt": ((self.conversations_field,), ())}[self.format]
+                "sharegpt": ((self.conversations_field,), ()),
+                "preference": ((self.prompt_field, self.chosen_field, self.rejected_field), ())}[self.format]
 
 
 def _fields_of(spec: object) -> RecordSpec:
@@ -170,7 +174,7 @@ class RecordError(DataError):
         self.index = index
 
 
-def _check_unicode(value: Any, where: str) -> None:
+def check_unicode(value: Any, where: str) -> None:
     """DataError if a string in `value` (or in its lists and objects, keys too) holds a
     lone UTF-16 surrogate: valid JSON (``"\\ud800"``), but the tokenizer raises a
     TypeError for it that names no file or line."""
@@ -189,7 +193,10 @@ def _check_unicode(value: Any, where: str) -> None:
                                 "is not Unicode text (expected a string that encodes as UTF-8)") from None
 
 
-def _check_messages(messages: Any, field: str) -> None:
+def check_messages(messages: Any, field: str, *, need_assistant: bool = True) -> None:
+    """DataError (without a location) unless `messages` is a non-empty list of
+    ``{"role": str, "content": str}`` objects of Unicode text, one of them (with
+    `need_assistant`) an assistant's; `field` names the list in the message."""
     shape = f"{field!r}: a non-empty list of {{\"role\": str, \"content\": str}} objects"
     if not isinstance(messages, list) or not messages:
         raise DataError(f"expected {shape}")
@@ -198,8 +205,8 @@ def _check_messages(messages: Any, field: str) -> None:
                 and isinstance(m.get("content"), str)):
             raise DataError(f"expected {shape}; message {i} is {json.dumps(m)[:80]}")
         for key, value in m.items():  # the chat template may render any of them
-            _check_unicode([key, value], f"{field!r} message {i} {key!r}")
-    if not any(m["role"] == "assistant" for m in messages):
+            check_unicode([key, value], f"{field!r} message {i} {key!r}")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"expected {field!r} to hold at least one message with role 'assistant'")
 
 
@@ -212,7 +219,7 @@ def _check_string(record: dict, name: str, fmt: str, optional: bool = False) -> 
         got = "missing" if name not in record else type(value).__name__
         kind = "an optional string field" if optional else "a string field"
         raise DataError(f"expected {kind} {name!r} (data.format {fmt}), got {got}")
-    _check_unicode(value, f"field {name!r}")
+    check_unicode(value, f"field {name!r}")
 
 
 def _check_sharegpt(turns: Any, field: str) -> None:
@@ -224,7 +231,7 @@ def _check_sharegpt(turns: Any, field: str) -> None:
         if not (isinstance(t, dict) and isinstance(t.get("from"), str) and t["from"] in SHAREGPT_ROLES
                 and isinstance(t.get("value"), str)):
             raise DataError(f"expected {shape}; message {i} is {json.dumps(t, default=str)[:80]}")
-        _check_unicode(t["value"], f"{field!r} message {i} 'value'")
+        check_unicode(t["value"], f"{field!r} message {i} 'value'")
     if not any(SHAREGPT_ROLES[t["from"]] == "assistant" for t in turns):
         raise DataError(f"expected {field!r} to hold at least one message from 'gpt' (or 'assistant')")
 
@@ -232,13 +239,15 @@ def _check_sharegpt(turns: Any, field: str) -> None:
 def check_record(record: Any, spec: Union[RecordSpec, "TokenSpec"]) -> None:
     """DataError (without a location; the reader adds it) unless `record` fits `spec.format`."""
     spec = record_spec(spec)
+    if spec.format == "preference":
+        raise ValueError("a preference record is a pair: preference.check_pair checks it")
     if not isinstance(record, dict):
         raise DataError(f"expected a JSON object, got {type(record).__name__}")
     if spec.format in ("chat", "sharegpt"):
         field = spec.messages_field if spec.format == "chat" else spec.conversations_field
         if field not in record:
             raise DataError(f"expected a field {field!r} (data.format {spec.format})")
-        check = _check_messages if spec.format == "chat" else _check_sharegpt
+        check = check_messages if spec.format == "chat" else _check_sharegpt
         return check(record[field], field)
     required, optional = spec.fields
     for name in required:
@@ -273,17 +282,20 @@ ENCODE_BATCH = 64
 ENCODE_CHARS = 1 << 20
 
 
-def _ids(tok: Any, texts: list[str]) -> list[list[int]]:
+def token_ids(tok: Any, texts: list[str]) -> list[list[int]]:
+    """The ids of each text, without special tokens, in one tokenizer call."""
     return list(tok(texts, add_special_tokens=False)["input_ids"]) if texts else []
 
 
-def _bos(tok: Any) -> list[int]:
+def bos_ids(tok: Any) -> list[int]:
+    """``[bos]`` where the tokenizer has a BOS distinct from EOS, else ``[]``."""
     # Tokenizers with a BOS distinct from EOS (Llama) expect it at each document start.
     bos = tok.bos_token_id
     return [] if bos is None or bos == tok.eos_token_id else [bos]
 
 
-def _render(tok: Any, messages: list[dict], generation_prompt: bool = False) -> str:
+def render_chat(tok: Any, messages: list[dict], generation_prompt: bool = False) -> str:
+    """`messages` rendered by the tokenizer's chat template (a DataError where it cannot)."""
     try:
         return tok.apply_chat_template(messages, tokenize=False,
                                        add_generation_prompt=generation_prompt)
@@ -291,16 +303,17 @@ def _render(tok: Any, messages: list[dict], generation_prompt: bool = False) -> 
         raise DataError(f"the chat template cannot render these messages ({exc})") from None
 
 
-def _assistant_spans(tok: Any, messages: list[dict], full: str) -> list[tuple[int, int]]:
-    """Character spans of the assistant turns in `full`: the text a turn adds after the
-    generation prompt that opens it (its content and the template's end-of-turn)."""
+def assistant_spans(tok: Any, messages: list[dict], full: str, first: int = 0) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in `full` (`messages` rendered), from
+    message `first` on: the text a turn adds after the generation prompt that opens it
+    (its content and the template's end-of-turn)."""
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if i < first or m["role"] != "assistant":
             continue
-        before = _render(tok, messages[:i], generation_prompt=True)
+        before = render_chat(tok, messages[:i], generation_prompt=True)
         # The last turn's prefix is the whole conversation (one render fewer per record).
-        upto = full if i == len(messages) - 1 else _render(tok, messages[: i + 1])
+        upto = full if i == len(messages) - 1 else render_chat(tok, messages[: i + 1])
         if not (upto.startswith(before) and full.startswith(upto)):
             raise DataError(f"the chat template does not render message {i} as a prefix of the "
                             "conversation, so the assistant tokens cannot be located")
@@ -312,8 +325,8 @@ def _encode_chats(tok: Any, conversations: list[list[dict]]) -> list[tuple[list[
     rendered = []
     for i, messages in enumerate(conversations):
         try:
-            full = _render(tok, messages)
-            rendered.append((full, _assistant_spans(tok, messages, full)))
+            full = render_chat(tok, messages)
+            rendered.append((full, assistant_spans(tok, messages, full)))
         except DataError as exc:
             raise RecordError(i, str(exc)) from None
     if not rendered:
@@ -331,8 +344,8 @@ def _encode_chats(tok: Any, conversations: list[list[dict]]) -> list[tuple[list[
 
 
 def text_documents(tok: Any, texts: list[str]) -> list[tuple[list[int], list[int]]]:
-    bos, eos = _bos(tok), tok.eos_token_id
-    return [(bos + ids + [eos], [0] * len(bos) + [1] * (len(ids) + 1)) for ids in _ids(tok, texts)]
+    bos, eos = bos_ids(tok), tok.eos_token_id
+    return [(bos + ids + [eos], [0] * len(bos) + [1] * (len(ids) + 1)) for ids in token_ids(tok, texts)]
 
 
 def encode_records(tok: Any, records: list[dict],
@@ -344,8 +357,8 @@ def encode_records(tok: Any, records: list[dict],
     if spec.format == "text":
         return text_documents(tok, [r[spec.text_field] for r in records])
     if spec.format == "prompt_completion":
-        bos, eos, n = _bos(tok), tok.eos_token_id, len(records)
-        ids = _ids(tok, [r[spec.prompt_field] for r in records] + [r[spec.completion_field] for r in records])
+        bos, eos, n = bos_ids(tok), tok.eos_token_id, len(records)
+        ids = token_ids(tok, [r[spec.prompt_field] for r in records] + [r[spec.completion_field] for r in records])
         return [(bos + prompt + completion + [eos], [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + 1))
                 for prompt, completion in zip(ids[:n], ids[n:])]
     return _encode_chats(tok, [chat_messages(r, spec) for r in records])

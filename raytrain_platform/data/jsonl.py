@@ -8,6 +8,8 @@ One JSON object per line (blank lines are skipped):
   and the closing EOS are trained on.
 * ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered with the
   tokenizer's chat template; only the assistant turns are trained on.
+* ``preference``: ``{"prompt": ..., "chosen": ..., "rejected": ...}`` pairs
+  (`preference.py`), one pair per row, never packed.
 
 A file is cut into byte ranges (`byte_ranges`) that Ray Data's tasks read side by side
 (`pieces.py`): a range owns the lines that *start* in it (`read_lines`), so every line
@@ -25,6 +27,7 @@ import json
 from typing import Iterator
 
 from raytrain_platform.data.encode import RecordError, check_record
+from raytrain_platform.data.preference import check_pair, pair_spec
 from raytrain_platform.data.specs import TokenSpec
 from raytrain_platform.data.splits import filesystem, uris_under
 from raytrain_platform.errors import DataError
@@ -120,7 +123,10 @@ def records(data: bytes, spec: TokenSpec) -> Iterator[tuple[int, dict, int]]:
         except RecursionError:
             raise RecordError(index, "JSON nested too deeply to read") from None
         try:
-            check_record(record, spec)
+            if spec.format == "preference":
+                check_pair(record, pair_spec(spec))
+            else:
+                check_record(record, spec)
         except DataError as exc:
             raise RecordError(index, str(exc)) from None
         yield index, record, len(raw)

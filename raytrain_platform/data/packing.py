@@ -38,21 +38,28 @@ import numpy as np
 
 from raytrain_platform.data.specs import PACKINGS
 
-__all__ = ["PACKINGS", "PACK_BUFFER", "ConcatPacker", "DocumentPacker", "Packer", "make_packer", "window_arrays",
-           "pad_id", "joined"]
+__all__ = ["PACKINGS", "PACK_BUFFER", "PAIR_ARRAYS", "ConcatPacker", "DocumentPacker", "Packer", "make_packer",
+           "window_arrays", "pad_id", "joined"]
 
 # Documents held at once: best-fit over more of them pads less, and holds more in
 # memory before the first window can be handed on.
 PACK_BUFFER = 512
 _CONCAT_ARRAYS = ("tokens", "loss_mask", "sample_id")
+# A preference pair's row (`preference.py`): never packed, each side (n, seq_len).
+PAIR_ARRAYS = ("chosen_tokens", "chosen_mask", "rejected_tokens", "rejected_mask", "sample_id")
 
 
-def window_arrays(packing: str) -> tuple[str, ...]:
-    """The arrays a window of `packing` has (what the tokenized dataset keeps of it).
+def window_arrays(packing: str, *, pairs: bool = False) -> tuple[str, ...]:
+    """The arrays a window of `packing` has (what the tokenized dataset keeps of it);
+    with `pairs`, a preference pair's row's (`PAIR_ARRAYS`), whatever the packing.
 
     >>> window_arrays("concat"), window_arrays("documents")[-1]
     (('tokens', 'loss_mask', 'sample_id'), 'position_ids')
+    >>> window_arrays("concat", pairs=True)[:2]
+    ('chosen_tokens', 'chosen_mask')
     """
+    if pairs:
+        return PAIR_ARRAYS
     return _CONCAT_ARRAYS + (("position_ids",) if packing == "documents" else ())
 
 
@@ -196,12 +203,13 @@ def make_packer(packing: str, seq_len: int, first_id: int, rows: int, pad: int) 
     return DocumentPacker(seq_len, first_id, rows, pad)
 
 
-def joined(chunks: Iterable[dict[str, np.ndarray]], seq_len: int, packing: str = "concat") -> dict[str, np.ndarray]:
-    """Chunks of windows as one batch (empty arrays of the right shapes if none)."""
+def joined(chunks: Iterable[dict[str, np.ndarray]], seq_len: int, packing: str = "concat", *,
+           pairs: bool = False) -> dict[str, np.ndarray]:
+    """Chunks of windows (or pair rows) as one batch (empty arrays of the right shapes if none)."""
     parts = list(chunks)
     if not parts:
-        empty: dict[str, np.ndarray] = {
-            "tokens": np.zeros((0, seq_len), np.int32), "loss_mask": np.zeros((0, seq_len), np.uint8),
-            "sample_id": np.zeros(0, np.int64), "position_ids": np.zeros((0, seq_len), np.int32)}
-        return {k: empty[k] for k in window_arrays(packing)}
+        empty = {name: (np.zeros(0, np.int64) if name == "sample_id" else
+                        np.zeros((0, seq_len), np.uint8 if name.endswith("mask") else np.int32))
+                 for name in window_arrays(packing, pairs=pairs)}
+        return empty
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}

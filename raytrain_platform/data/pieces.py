@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from raytrain_platform.data import jsonl, tables
 from raytrain_platform.data.encode import RecordError, encode_batches, encode_records, record_spec, tokenizer_for_format
-from raytrain_platform.data.packing import Packer, make_packer, pad_id
+from raytrain_platform.data.packing import PAIR_ARRAYS, Packer, make_packer, pad_id
+from raytrain_platform.data.preference import empty_pairs, encode_pairs, pair_spec
 from raytrain_platform.data.specs import SourceSpec, TokenSpec
 from raytrain_platform.data.splits import filesystem, split_key, split_keys, split_mask, text_files
 from raytrain_platform.data.text_groups import group_documents, text_groups
@@ -91,7 +92,9 @@ class Tokenized:
     """A block's documents, concatenated: token ids, loss mask, each document's length
     and (jsonl) its line within the block; `lines`: the block's line count (its newlines);
     `error`: the first bad line's (index within the block, message), the documents
-    before it kept."""
+    before it kept. Preference pairs (`pairs`) are rows instead: ``PAIR_ARRAYS`` but
+    ``sample_id`` (its ids are the packer's), ``ids`` and ``mask`` empty, ``lengths``
+    each pair's tokens in its rows, and `cut` the pairs longer than a row."""
 
     ids: np.ndarray
     mask: np.ndarray
@@ -99,25 +102,37 @@ class Tokenized:
     lines_of: np.ndarray
     lines: int = 0
     error: tuple[int, str] | None = None
+    pairs: dict[str, np.ndarray] | None = None
+    cut: int = 0
     documents: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.documents = int(self.lengths.size)
 
+    @property
+    def tokens(self) -> int:
+        """Tokens this block adds to the dataset (a pair's: both its rows)."""
+        return int(self.ids.size) if self.pairs is None else int(self.lengths.sum())
+
     def to_bytes(self) -> bytes:
         """As an .npz (no pickled objects)."""
         out = io.BytesIO()
         line, message = self.error if self.error else (-2, "")
+        arrays: dict[str, Any] = {f"pair_{k}": v for k, v in (self.pairs or {}).items()}
         np.savez(out, ids=self.ids, mask=self.mask, lengths=self.lengths, lines_of=self.lines_of,
-                 lines=np.int64(self.lines), error_line=np.int64(line), error=np.str_(message))
+                 lines=np.int64(self.lines), error_line=np.int64(line), error=np.str_(message),
+                 is_pairs=np.bool_(self.pairs is not None), cut=np.int64(self.cut), **arrays)
         return out.getvalue()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Tokenized":
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             line = int(z["error_line"])
+            pairs = ({k.removeprefix("pair_"): z[k] for k in z.files if k.startswith("pair_")}
+                     if bool(z["is_pairs"]) else None)
             return cls(ids=z["ids"], mask=z["mask"], lengths=z["lengths"], lines_of=z["lines_of"],
-                       lines=int(z["lines"]), error=(line, str(z["error"])) if line != -2 else None)
+                       lines=int(z["lines"]), error=(line, str(z["error"])) if line != -2 else None,
+                       pairs=pairs, cut=int(z["cut"]))
 
 
 def _arrays(docs: list[tuple[list[int], list[int]]], lines_of: list[int], lines: int,
@@ -131,10 +146,43 @@ def _arrays(docs: list[tuple[list[int], list[int]]], lines_of: list[int], lines:
 _TABLE_ROWS = 1024  # rows of a table file converted to records at a time
 
 
+def _pair_arrays(parts: list[tuple[dict[str, np.ndarray], np.ndarray]], lines_of: list[int], lines: int,
+                 error: tuple[int, str] | None, row_len: int) -> Tokenized:
+    rows = [r for r, _ in parts]
+    pairs = {k: np.concatenate([r[k] for r in rows]) if rows else empty_pairs(0, row_len)[k]
+             for k in PAIR_ARRAYS if k != "sample_id"}
+    n = len(pairs["chosen_tokens"])
+    empty = np.zeros(0, np.int32)
+    return Tokenized(empty, empty.astype(np.uint8), np.full(n, 2 * row_len, np.int64),
+                     np.array(lines_of, dtype=np.int64), lines, error, pairs=pairs,
+                     cut=int(sum(int(c.sum()) for _, c in parts)))
+
+
+def _encoded(found: Iterator[tuple[int, dict, int]],
+             encode: Callable[[list[dict]], Any]) -> tuple[list[Any], list[int], tuple[int, str] | None]:
+    """`encode` of the records of `found`, a tokenizer batch at a time, up to the first
+    bad one: (each batch's result, each record's line, (its line, message) or None)."""
+    parts: list[Any] = []
+    lines_of: list[int] = []
+    try:
+        for batch in encode_batches(found, lambda item: item[2]):
+            try:
+                parts.append(encode([r for _, r, _ in batch]))
+            except RecordError as exc:  # records before it stay
+                good = batch[:exc.index]
+                parts.append(encode([r for _, r, _ in good]))
+                lines_of += [i for i, _, _ in good]
+                raise RecordError(batch[exc.index][0], str(exc)) from None
+            lines_of += [i for i, _, _ in batch]
+    except RecordError as exc:
+        return parts, lines_of, (exc.index, str(exc))
+    return parts, lines_of, None
+
+
 def tokenize_block(piece: Piece, block: Block, spec: TokenSpec) -> Tokenized:
     """The block's documents (a text group's files; a byte range's or a table file's
     records, up to the first bad one, which is recorded, not raised: only the pass knows
-    a line's number in its file)."""
+    a line's number in its file), or with ``data.format: preference`` its pairs' rows."""
     if piece.kind == "text":
         return _arrays(list(group_documents(piece.paths, spec)), [], 0, None)
     if piece.kind == "jsonl":
@@ -143,22 +191,13 @@ def tokenize_block(piece: Piece, block: Block, spec: TokenSpec) -> Tokenized:
     else:
         found, lines = _table_records(piece, spec), 0
     tok = tokenizer_for_format(spec.tokenizer, spec.format)
-    docs: list[tuple[list[int], list[int]]] = []
-    lines_of: list[int] = []
-    error = None
-    try:
-        for batch in encode_batches(found, lambda item: item[2]):
-            try:
-                docs += encode_records(tok, [r for _, r, _ in batch], spec)
-            except RecordError as exc:  # documents before it stay
-                good = batch[:exc.index]
-                docs += encode_records(tok, [r for _, r, _ in good], spec)
-                lines_of += [i for i, _, _ in good]
-                raise RecordError(batch[exc.index][0], str(exc)) from None
-            lines_of += [i for i, _, _ in batch]
-    except RecordError as exc:
-        error = (exc.index, str(exc))
-    return _arrays(docs, lines_of, lines, error)
+    if spec.pairs:
+        rows = pair_spec(spec)
+        parts, lines_of, error = _encoded(found, lambda records: encode_pairs(
+            tok, records, rows, np.zeros(len(records), np.int64)))
+        return _pair_arrays(parts, lines_of, lines, error, spec.seq_len)
+    parts, lines_of, error = _encoded(found, lambda records: encode_records(tok, records, spec))
+    return _arrays([doc for part in parts for doc in part], lines_of, lines, error)
 
 
 def _table_records(piece: Piece, spec: TokenSpec) -> Iterator[tuple[int, dict, int]]:
@@ -191,15 +230,19 @@ class PiecePacker:
     """One piece's tokenized blocks, added in order, packed into windows: a .jsonl
     file's documents go to train or val by a hash of the file's name under the source's
     root and their line (`splits.split_keys`) and are packed per split; a text group's
-    are packed together and its windows go to a split by their ids."""
+    are packed together and its windows go to a split by their ids. Preference pairs
+    go to a split by the same rule and are never packed: the ``i``-th pair of a split
+    is its row ``first_id(piece, split) | i``."""
 
     def __init__(self, piece: Piece, spec: TokenSpec, rows: int):
         self.piece, self.spec = piece, spec
         pad = pad_id(tokenizer_for_format(spec.tokenizer, spec.format))
-        splits = ("all",) if piece.kind == "text" else ("train", "val")
+        splits = () if spec.pairs else ("all",) if piece.kind == "text" else ("train", "val")
         self.packers: dict[str, Packer] = {
             s: make_packer(spec.packing, spec.seq_len, piece.index << 32 if s == "all" else first_id(piece.index, s),
                            rows, pad) for s in splits}
+        self.pairs = {"train": 0, "val": 0}  # preference: pairs handed back per split
+        self.cut = 0  # preference: pairs longer than a row, cut to it
         self.line = 0  # lines of the blocks added so far
         self.key = split_key(piece.paths[0], spec.path) if piece.kind != "text" else 0
         self.documents = self.tokens = 0
@@ -214,8 +257,10 @@ class PiecePacker:
         """(split, chunk of windows) that this block completes; DataError at a bad line."""
         said = self.error(tokenized)
         self.documents += tokenized.documents
-        self.tokens += int(tokenized.ids.size)
-        if self.piece.kind == "text":
+        self.tokens += tokenized.tokens
+        if tokenized.pairs is not None:
+            yield from self._pair_rows(tokenized)
+        elif self.piece.kind == "text":
             yield from self._split(self.packers["all"].add(tokenized.ids, tokenized.mask, tokenized.lengths))
         else:
             keys = split_keys(self.key, self.line + tokenized.lines_of)
@@ -229,6 +274,20 @@ class PiecePacker:
         self.line += tokenized.lines
         if said:
             raise DataError(said)
+
+    def _pair_rows(self, tokenized: Tokenized) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+        """(split, rows) of a block's pairs, each given the next id of its split."""
+        assert tokenized.pairs is not None
+        self.cut += tokenized.cut
+        keys = split_keys(self.key, self.line + tokenized.lines_of)
+        in_val = split_mask(keys, self.spec.val_fraction, "val")
+        for split, keep in (("train", ~in_val), ("val", in_val)):
+            n = int(keep.sum())
+            if n:
+                done = self.pairs[split]
+                ids = np.int64(first_id(self.piece.index, split)) | np.arange(done, done + n, dtype=np.int64)
+                yield split, {**{k: v[keep] for k, v in tokenized.pairs.items()}, "sample_id": ids}
+                self.pairs[split] = done + n
 
     def end(self) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
         """The chunks of what is still held."""
@@ -248,9 +307,10 @@ class PiecePacker:
 
     @property
     def truncated(self) -> int:
-        """Documents longer than a window, cut to it (``data.packing: documents``)."""
-        return sum(p.truncated for p in self.packers.values())
+        """Documents longer than a window, cut to it (``data.packing: documents``); pairs
+        longer than a row (preference)."""
+        return self.cut + sum(p.truncated for p in self.packers.values())
 
     def windows(self, split: str) -> int:
-        """Windows of `split` handed back so far (a text group's: counted by the caller)."""
-        return self.packers[split].done
+        """Windows (pairs) of `split` handed back so far (a text group's: counted by the caller)."""
+        return self.pairs[split] if self.spec.pairs else self.packers[split].done

@@ -92,8 +92,10 @@ def _versions() -> dict[str, str]:
 def dataset_key(spec: SourceSpec, pieces: list[Piece]) -> str:
     """A hash of everything the windows depend on (see the module)."""
     t = spec.token_spec()
-    what = {"kind": spec.kind, "format": t.format, "fields": [t.text_field, t.prompt_field, t.completion_field,
-                                                               t.messages_field],
+    fields = [t.text_field, t.prompt_field, t.completion_field, t.messages_field]
+    if t.pairs:  # a preference source's own fields (other formats' keys stay as they were)
+        fields += [t.chosen_field, t.rejected_field]
+    what = {"kind": spec.kind, "format": t.format, "fields": fields,
             "root": t.path, "seq_len": t.seq_len, "val_fraction": t.val_fraction, "packing": t.packing,
             "pieces": [[_file_state(p) for p in piece.paths] for piece in pieces],
             "tokenizer": _tokenizer_state(t.tokenizer), "versions": _versions()}
@@ -178,11 +180,12 @@ def _fixed(array: np.ndarray) -> "pa.Array":
 
 class WindowWriter:
     """A piece's windows of one split, written to one Parquet file as they come (opened
-    at the first window: a piece without any writes no file)."""
+    at the first window: a piece without any writes no file); with `pairs`, its
+    preference pairs' rows (`packing.PAIR_ARRAYS`: two sides of `seq_len` tokens)."""
 
-    def __init__(self, path: str, seq_len: int, packing: str):
-        self.path, self.names = path, window_arrays(packing)
-        self.rows_per_group = max(1, _ROW_GROUP_TOKENS // seq_len)
+    def __init__(self, path: str, seq_len: int, packing: str, *, pairs: bool = False):
+        self.path, self.names = path, window_arrays(packing, pairs=pairs)
+        self.rows_per_group = max(1, _ROW_GROUP_TOKENS // (seq_len * (2 if pairs else 1)))
         self.pending: list[dict[str, np.ndarray]] = []
         self.held = self.rows = 0
         self.writer = None

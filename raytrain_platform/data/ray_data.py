@@ -29,6 +29,7 @@ import numpy as np
 
 from raytrain_platform.compat.ray_private import limit_streaming_blocks
 from raytrain_platform.data import parquet, raw, sources
+from raytrain_platform.data.packing import joined
 from raytrain_platform.data.sources import DataInfo, SourceSpec
 from raytrain_platform.parallel.dims import ParallelDims
 
@@ -95,14 +96,14 @@ class _ParquetChunks:
         return {k: np.concatenate([p[k] for p in parts]) for k in ("x", "y", "sample_id")}
 
 
-def _chunk_bytes(rows: int, seq_len: int, packing: str = "concat") -> int:
-    """Bytes of the block Ray Data makes of `rows` windows (its own conversion)."""
+def _chunk_bytes(rows: int, seq_len: int, packing: str = "concat", *, pairs: bool = False) -> int:
+    """Bytes of the block Ray Data makes of `rows` windows, or preference pairs' rows
+    (its own conversion): a pair's row holds two sides, so a window's size would cut
+    a dealt micro-batch of pairs in two."""
     from ray.data.block import BlockAccessor
 
-    batch = {"tokens": np.zeros((rows, seq_len), np.int32), "loss_mask": np.zeros((rows, seq_len), np.uint8),
-             "sample_id": np.zeros(rows, np.int64)}
-    if packing == "documents":
-        batch["position_ids"] = np.zeros((rows, seq_len), np.int32)
+    batch = joined([], seq_len, packing, pairs=pairs)
+    batch = {k: np.zeros((rows, *v.shape[1:]), v.dtype) for k, v in batch.items()}
     return BlockAccessor.for_block(BlockAccessor.batch_to_block(batch)).size_bytes()
 
 
@@ -125,7 +126,8 @@ def _source_dataset(spec: SourceSpec, split: str, features: tuple[str, ...], *,
         # chunk, not a whole file. Ray Data's output buffer (a public setting) cuts a
         # block once it holds more than this many bytes and slices any of 1.5x or more:
         # a chunk is 1.25x it.
-        ds.context.target_max_block_size = _chunk_bytes(rows, spec.seq_len, spec.window_packing) * 4 // 5
+        ds.context.target_max_block_size = _chunk_bytes(rows, spec.seq_len, spec.window_packing,
+                                                        pairs=spec.pairs) * 4 // 5
         limit_streaming_blocks(ds.context, _TOKEN_BLOCKS_AHEAD)
         return ds
     if spec.kind == "text":

@@ -8,8 +8,10 @@ Every sample has a stable 64-bit ``sample_id``: text windows are
 rows their position across the sorted files (`parquet.py`). A tokenized source (jsonl,
 text with a tokenizer) is tokenized once, by the tokenizing pass (`tokenize_pass.py`),
 into a dataset of windows (`prepared.py`): a piece's windows are ``piece_index << 32 |
-window_index`` (jsonl's validation windows also set bit 31). The validation split's
-rules are `splits.py`'s.
+window_index`` (jsonl's validation windows also set bit 31). A ``preference`` jsonl
+source's pass writes pair rows instead of windows (`preference.py`), never packed: the
+``i``-th pair of a file's split is ``piece_index << 32 | i``, by the same rule. The
+validation split's rules are `splits.py`'s.
 
 The modules below, in order: `splits` (file systems, the split's rules), `specs`,
 `encode` and `packing` (tokenizing and packing), the readers (`jsonl`, `text_groups`,
@@ -125,4 +127,4 @@ def local_windows(spec: SourceSpec, split: str) -> dict[str, np.ndarray]:
     """A tokenized source's whole `split` as one batch, its dataset written in this
     process where no pass has (benchmarks and notebooks that want the arrays)."""
     spec = dataclasses.replace(spec, prepared=describe(spec, on_ray=False).prepared)
-    return joined(iter_source(spec, split), spec.seq_len, spec.packing)
+    return joined(iter_source(spec, split), spec.seq_len, spec.packing, pairs=spec.pairs)

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMATS", "PACKINGS", "TOKENIZED_KINDS", "SourceSpec", "TokenSpec", "DataInfo", "split_by_file"]
 
-FORMATS = ("text", "prompt_completion", "chat", "alpaca", "sharegpt")  # record formats (data/encode.py)
+FORMATS = ("text", "prompt_completion", "chat", "alpaca", "sharegpt",
+           "preference")  # record formats (data/encode.py; pairs: data/preference.py)
 PACKINGS = ("documents", "concat")  # how documents fill windows (data/packing.py)
 TOKENIZED_KINDS = ("jsonl", "hf_dataset")  # always tokenized (text is with a tokenizer; parquet for lm)
 
@@ -31,7 +32,7 @@ class TokenSpec:
     names, the tokenizer, the window length, the split and the packing."""
 
     path: str  # the source's root: a .jsonl file or a folder (recursive); local path or URI
-    format: str  # text | prompt_completion | chat
+    format: str  # one of FORMATS
     tokenizer: str  # local folder of a Hugging Face tokenizer
     seq_len: int  # tokens per window, including the extra target token (context + 1)
     val_fraction: float
@@ -44,7 +45,14 @@ class TokenSpec:
     output_field: str = "output"
     system_field: str = "system"
     conversations_field: str = "conversations"
-    packing: str = "concat"  # documents | concat (`packing.py`)
+    chosen_field: str = "chosen"  # preference
+    rejected_field: str = "rejected"
+    packing: str = "concat"  # documents | concat (`packing.py`); preference: never packed
+
+    @property
+    def pairs(self) -> bool:
+        """``data.format: preference``: one row per pair (`preference.py`), not windows."""
+        return self.format == "preference"
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -87,6 +95,8 @@ class SourceSpec:
     output_field: str = "output"
     system_field: str = "system"
     conversations_field: str = "conversations"
+    chosen_field: str = "chosen"  # preference
+    rejected_field: str = "rejected"
     packing: str = "concat"  # records: documents | concat (`packing.py`)
     cache_root: str | None = None  # tokenized: where the tokenized datasets are written (`prepared.py`)
     prepared: str | None = None  # tokenized: the folder of this source's tokenized dataset, once known
@@ -125,7 +135,7 @@ class SourceSpec:
                    completion_field=d.completion_field, messages_field=d.messages_field,
                    instruction_field=d.instruction_field, input_field=d.input_field, output_field=d.output_field,
                    system_field=d.system_field, conversations_field=d.conversations_field,
-                   packing=d.resolved_packing, cache_root=d.cache_root(cfg.run.storage_path),
+                   chosen_field=d.chosen_field, rejected_field=d.rejected_field, packing=d.resolved_packing, cache_root=d.cache_root(cfg.run.storage_path),
                    prepared=prepared)
 
     @property
@@ -145,8 +155,14 @@ class SourceSpec:
                          completion_field=self.completion_field, messages_field=self.messages_field,
                          instruction_field=self.instruction_field, input_field=self.input_field,
                          output_field=self.output_field, system_field=self.system_field,
-                         conversations_field=self.conversations_field,
+                         conversations_field=self.conversations_field, chosen_field=self.chosen_field,
+                         rejected_field=self.rejected_field,
                          packing=self.packing if self.kind != "text" else "concat")
+
+    @property
+    def pairs(self) -> bool:
+        """``data.format: preference`` (jsonl): rows of preference pairs, not windows."""
+        return self.kind == "jsonl" and self.format == "preference"
 
     @property
     def window_packing(self) -> str:

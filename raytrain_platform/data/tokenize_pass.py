@@ -97,7 +97,7 @@ def _pack_piece(piece: Piece, blocks: Iterable[Tokenized], spec: TokenSpec, dire
     """Packs a piece's tokenized blocks in order and writes its windows per split."""
     packer = PiecePacker(piece, spec, rows=max(1, (1 << 16) // spec.seq_len))
     writers = {s: WindowWriter(join(directory, attempt, s, f"{piece.index:06d}.parquet"), spec.seq_len,
-                               spec.packing) for s in ("train", "val")}
+                               spec.packing, pairs=spec.pairs) for s in ("train", "val")}
     try:
         for tokenized in blocks:
             for split, chunk in packer.add(tokenized):
@@ -122,7 +122,7 @@ def _run_here(spec: SourceSpec, pieces: list[Piece], directory: str, attempt: st
     def blocks(piece: Piece) -> Iterator[Tokenized]:
         for block in piece.blocks():
             tokenized = tokenize_block(piece, block, token_spec)
-            progress.add(block.length or piece.size, tokenized.documents, int(tokenized.ids.size))
+            progress.add(block.length or piece.size, tokenized.documents, tokenized.tokens)
             yield tokenized
 
     return [_pack_piece(p, blocks(p), token_spec, directory, attempt) for p in pieces], progress
@@ -173,7 +173,7 @@ def tokenize_blocks(batch: dict[str, np.ndarray], *, spec: TokenSpec, staging: s
             f.write(tokenized.to_bytes())
         line, message = tokenized.error or (-2, "")
         for key, value in (("piece", piece.index), ("block", block.index), ("size", block.length or piece.size),
-                           ("documents", tokenized.documents), ("tokens", int(tokenized.ids.size)),
+                           ("documents", tokenized.documents), ("tokens", tokenized.tokens),
                            ("lines", tokenized.lines), ("error_line", line), ("error", message),
                            ("node", ray.get_runtime_context().get_node_id())):
             rows[key].append(value)
@@ -305,7 +305,8 @@ def prepare(spec: SourceSpec, *, on_ray: bool | None = None, say: Callable[[str]
                 found = _write(spec, pieces, directory, _run_on_ray if use_ray else _run_here, say)
     else:
         w = found.windows
-        say(f"tokenized data: {w['train']:,} train + {w['val']:,} validation windows, written before: {directory}")
+        rows = "pairs" if spec.token_spec().pairs else "windows"
+        say(f"tokenized data: {w['train']:,} train + {w['val']:,} validation {rows}, written before: {directory}")
     if found.windows["train"] == 0:
         raise DataError(f"data.path = {spec.path!r}: no training window of data.seq_len = {spec.seq_len - 1} "
                         "tokens (+1) (too little data, or lower data.seq_len)")
@@ -327,7 +328,8 @@ def _write(spec: SourceSpec, pieces: list[Piece], directory: str, run: Callable,
     manifest.write()
     load_manifest.cache_clear()  # a process that read an earlier pass's manifest reads this one
     nodes = f" on {len(progress.nodes)} node(s)" if progress.nodes else ""
-    say(f"tokenized {total['documents']:,} documents, {total['tokens']:,} tokens into {total['train']:,} train + "
-        f"{total['val']:,} validation windows ({_size_text(total['bytes'])}) in {progress.seconds:.1f} s{nodes}: "
+    docs, rows = ("records", "pairs") if t.pairs else ("documents", "windows")
+    say(f"tokenized {total['documents']:,} {docs}, {total['tokens']:,} tokens into {total['train']:,} train + "
+        f"{total['val']:,} validation {rows} ({_size_text(total['bytes'])}) in {progress.seconds:.1f} s{nodes}: "
         f"{directory}")
     return manifest

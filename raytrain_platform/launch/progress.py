@@ -16,9 +16,13 @@ def format_progress(m: dict, total: int) -> str:
     parts = [f"step {m['step']:>5}/{total}", f"epoch {m['epoch']}", f"loss {m['loss']:.4f}"]
     if "aux_loss" in m:  # a mixture of experts' router load-balancing loss (unweighted)
         parts.append(f"aux_loss {m['aux_loss']:.4f}")
+    if "rewards/accuracies" in m:  # DPO: pairs whose chosen response out-rewards the rejected one
+        parts.append(f"reward_acc {m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.3f}")
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f}")
-        if "val_perplexity" in m:
+        if "val_rewards/accuracies" in m:
+            parts.append(f"val_reward_acc {m['val_rewards/accuracies']:.3f}")
+        elif "val_perplexity" in m:
             parts.append(f"val_ppl {m['val_perplexity']:.2f}")
         elif "val_accuracy" in m:
             parts.append(f"val_acc {m['val_accuracy']:.3f}")

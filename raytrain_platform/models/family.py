@@ -161,6 +161,13 @@ class ModelFamily:
         """Safetensors files to load after building (each rank its own slices), or None."""
         return None
 
+    def reference_kwargs(self, kwargs: dict, path: str) -> dict:
+        """The kwargs that build a preference run's reference model from the folder `path`
+        (``train.dpo.reference``) beside a policy built from `kwargs`; `ConfigError` where
+        the family reads no model folder, or the folder's model cannot score the policy's tokens."""
+        raise ConfigError("train.dpo.reference", path, f"'auto' for model '{self.name}' (a reference "
+                          f"folder is read for {self._families_with('reference_kwargs')} models)")
+
     def init_buffers(self, model: "nn.Module", device: "torch.device") -> None:
         """Recompute buffers a meta-device build left empty (after ``to_empty``)."""
 

@@ -172,6 +172,19 @@ class HFFamily(ModelFamily):
             weight_files(kw["path"])
         return kw
 
+    def reference_kwargs(self, kwargs: dict, path: str) -> dict:
+        """`kwargs` with the pretrained weights of the model folder `path`: its architecture
+        may differ, its vocabulary may not (it scores the policy's token ids)."""
+        try:
+            ref = self.resolve_kwargs({**kwargs, "path": path, "init": "pretrained"})
+        except ConfigError as exc:
+            raise ConfigError("train.dpo.reference", path, exc.allowed) from None
+        ours, theirs = self.vocab_size(kwargs), self.vocab_size(ref)
+        if ours != theirs:
+            raise ConfigError("train.dpo.reference", path, f"a model with the policy's vocabulary of {ours} "
+                              f"tokens (it has {theirs})")
+        return ref
+
     def resolve_task(self, kwargs: dict, requested: str | None) -> str:
         if requested not in (None, "lm"):
             raise ConfigError("model.task", requested, "'lm' for model hf (or leave it out)")

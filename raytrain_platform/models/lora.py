@@ -47,7 +47,9 @@ raytrain_platform.errors.ConfigError: model.lora.r = 0: expected an integer >= 1
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +58,8 @@ from raytrain_platform.errors import ConfigError
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["ADAPTER", "ALL_LINEAR", "LORA_DEFAULTS", "adapted_peft_config", "adapter_state", "apply_lora",
+__all__ = ["ADAPTER", "ALL_LINEAR", "LORA_DEFAULTS", "adapted_peft_config", "adapter_state", "adapters_disabled",
+           "apply_lora",
            "base_source_name", "check_targets", "is_adapter", "linear_names", "merge_lora", "model_peft_config",
            "peft_config", "resolve_lora", "resolve_targets", "stores_in_out"]
 
@@ -92,6 +95,27 @@ def resolve_lora(section: Any) -> dict:
         raise ConfigError("model.lora.target_modules", targets, f"{ALL_LINEAR!r} (the default) or a non-empty "
                           "list of module names (the end of their path, e.g. [q_proj, v_proj])")
     return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": list(dict.fromkeys(targets))}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: "nn.Module") -> Iterator[None]:
+    """While open, every peft adapter layer of `model` runs its base layer alone (peft's
+    ``enable_adapters(False)``, what ``PeftModel.disable_adapter()`` does): the base model,
+    a LoRA preference run's reference, with no second copy. peft's switch also clears and
+    sets the adapters' ``requires_grad``; each parameter's flag is put back as it was."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 def _matches(name: str, target: str) -> bool:

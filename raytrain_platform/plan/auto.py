@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from raytrain_platform.config import JobConfig
 from raytrain_platform.errors import ConfigError
+from raytrain_platform.plan.dpo import dpo_reference
 from raytrain_platform.plan.guide import LABELS, Option, make_plan
 from raytrain_platform.plan.lora import model_lora_size
 from raytrain_platform.models.family import ModelFamily
@@ -182,11 +183,15 @@ def resolve_auto(cfg: JobConfig, hw: Hardware) -> tuple[JobConfig, list[str]]:
     plan = make_plan(model=shape, device_memory=hw.device_memory,
                      devices_per_node=hw.devices_per_node, nodes=hw.nodes, global_batch=global_batch,
                      precision=t.precision, optimizer=t.optimizer, headroom=hw.headroom,
-                     activation_checkpointing=cfg.parallel.activation_checkpointing, **pins, refused=refused,
+                     activation_checkpointing=cfg.parallel.activation_checkpointing, tp=pins.get("tp"),
+                     pp=pins.get("pp"), refused=refused,
                      # LoRA: the frozen base, and DDP or FSDP only (plan/lora.py)
                      lora=None if lora is None else model_lora_size(
                          get_family(cfg.model.name).build(cfg.model.kwargs, device="meta"), lora,
-                         model_name=cfg.model.name))
+                         model_name=cfg.model.name),
+                     # DPO: pairs of sequences, and the reference model it holds (plan/dpo.py)
+                     dpo_reference=None if t.objective != "dpo" else dpo_reference(
+                         precompute_reference=t.dpo.precompute_reference, lora=lora is not None))
     budget = f"{format_size(plan.request.budget)} per worker ({hw.source})"
     why, changes = [], {}
     if cfg.parallel.strategy == "auto":

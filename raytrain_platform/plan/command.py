@@ -21,6 +21,7 @@ from typing import Any, overload
 from raytrain_platform.config import add_set_flag, load_config
 from raytrain_platform.errors import ConfigError
 from raytrain_platform.plan.auto import refused_splits
+from raytrain_platform.plan.dpo import REFERENCES, dpo_reference
 from raytrain_platform.plan.guide import LABELS, Plan, make_plan
 from raytrain_platform.plan.lora import DEFAULT_TARGETS, LoraSize, lora_size, model_lora_size
 from raytrain_platform.models.hf import HFFamily
@@ -75,6 +76,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    "model.lora is read without it)")
     p.add_argument("--lora-targets", help="with --lora-r: Linear modules to adapt, comma-separated "
                    f"(default {','.join(DEFAULT_TARGETS)}: peft's rule, every Linear layer but the head)")
+    p.add_argument("--dpo", choices=REFERENCES, help="plan a DPO run: each sample a pair (chosen and rejected in "
+                   "one forward) and its reference model: copy (frozen, sharded like the policy) or none "
+                   "(log-probs precomputed; with LoRA the reference is the base itself)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -186,6 +190,9 @@ def _from_config(args: argparse.Namespace) -> tuple[ModelShape, dict]:
         # counted on the model itself (a meta-device build): the modules the run adapts
         defaults["lora"] = model_lora_size(family.build(kwargs, device="meta"), cfg.model.lora,
                                            model_name=cfg.model.name)
+    if t.objective == "dpo":  # the reference the run holds (--dpo overrides it)
+        defaults["dpo_reference"] = dpo_reference(precompute_reference=t.dpo.precompute_reference,
+                                                  lora=cfg.model.lora is not None)
     return shape, defaults
 
 
@@ -223,7 +230,7 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
                 optimizer=args.optimizer or defaults.get("optimizer", "adamw"),
                 activation_checkpointing=ckpt, headroom=headroom,
                 tp=_int("--tp", args.tp), pp=_int("--pp", args.pp), lora=_lora(args, shape, defaults),
-                refused=defaults.get("refused", {}))
+                refused=defaults.get("refused", {}), dpo_reference=args.dpo or defaults.get("dpo_reference"))
 
 
 def _lora(args: argparse.Namespace, shape: ModelShape, defaults: dict) -> LoraSize | None:
@@ -272,7 +279,7 @@ def plan_to_dict(plan: Plan) -> dict:
                                                      "global_batch", "precision", "optimizer",
                                                      "activation_checkpointing", "headroom", "tp", "pp")}
             | {"devices": req.devices, "budget": req.budget,
-               "lora": None if req.lora is None else asdict(req.lora)},
+               "lora": None if req.lora is None else asdict(req.lora), "dpo_reference": req.dpo_reference},
             "options": [o.to_dict() for o in plan.options],
             "recommended": plan.recommended.strategy if plan.recommended else None,
             "reasons": list(plan.reasons), "warnings": list(plan.warnings),
@@ -295,6 +302,11 @@ def format_plan(plan: Plan) -> str:
     if req.lora is not None:
         lines.insert(2, f"LoRA: rank {req.lora.r} on {', '.join(req.lora.targets)}, {req.lora.params:,} trainable "
                         "parameters; the base is frozen (no gradients or optimizer state for it)")
+    if req.dpo_reference is not None:
+        ref = ("none (its base, adapters disabled)" if req.lora is not None else
+               "a frozen copy sharded like the policy (its weights in 'other')" if req.dpo_reference == "copy"
+               else "none (log-probs precomputed)")
+        lines.insert(2, f"DPO: each sample a pair, chosen and rejected in one forward; reference model: {ref}")
     if m.num_experts:
         lines.insert(1, f"experts: {m.expert_params:,} parameters in {m.num_experts} routed experts per layer, "
                         f"{m.experts_per_tok} used per token: {m.active_params:,} active parameters per token "

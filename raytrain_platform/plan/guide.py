@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from raytrain_platform.errors import ConfigError
+from raytrain_platform.plan.dpo import REFERENCES
 from raytrain_platform.plan.lora import DEFAULT_R, DEFAULT_TARGETS, LoraSize, lora_size
 from raytrain_platform.plan.search import (LABELS, SPLITS, STRATEGY_ORDER, Option, PlanRequest, fit_layout,
                                            options)
@@ -174,6 +175,8 @@ def _validate(req: PlanRequest) -> None:
         raise ConfigError("--device-mem", req.device_memory, "a size > 0, like 80GiB or 24GB")
     if not 0 <= req.headroom < 1:
         raise ConfigError("--headroom", req.headroom, "a fraction in [0, 1)")
+    if req.dpo_reference not in (None, *REFERENCES):
+        raise ConfigError("--dpo", req.dpo_reference, f"one of {list(REFERENCES)}")
     m = req.model
     if req.tp is not None:
         positive("--tp", req.tp)
@@ -197,9 +200,12 @@ def make_plan(*, model: ModelShape, device_memory: int, devices_per_node: int = 
               global_batch: int = 1, precision: str = "fp32", optimizer: str = "adamw",
               activation_checkpointing: bool = False, headroom: float = 0.1,
               tp: int | None = None, pp: int | None = None, lora: LoraSize | None = None,
-              refused: Mapping[str, str] | Iterable[tuple[str, str]] = ()) -> Plan:
+              refused: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+              dpo_reference: str | None = None) -> Plan:
     """Estimate every strategy, mark which fit in ``device_memory * (1 - headroom)``, and
-    recommend one with its reasons (see the module docstring for the rules).
+    recommend one with its reasons (see the module docstring for the rules). With
+    `dpo_reference` ("copy" | "none"), a DPO run: each sample a pair, and the reference
+    model (plan/dpo.py).
 
     >>> from raytrain_platform.plan.shapes import generic_shape
     >>> big = generic_shape(num_params=70_000_000_000, n_layer=80, hidden=8192, seq_len=4096, n_head=64)
@@ -210,7 +216,8 @@ def make_plan(*, model: ModelShape, device_memory: int, devices_per_node: int = 
     req = PlanRequest(model=model, device_memory=device_memory, devices_per_node=devices_per_node,
                       nodes=nodes, global_batch=global_batch, precision=precision,
                       optimizer=optimizer, activation_checkpointing=activation_checkpointing,
-                      headroom=headroom, tp=tp, pp=pp, lora=lora, refused=tuple(sorted(dict(refused).items())))
+                      headroom=headroom, tp=tp, pp=pp, lora=lora, refused=tuple(sorted(dict(refused).items())),
+                      dpo_reference=dpo_reference)
     _validate(req)
     found = options(req)
     by_name = {o.strategy: o for o in found}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from raytrain_platform.plan.lora import LoraSize
+from raytrain_platform.plan.dpo import estimate_dpo_memory
 from raytrain_platform.plan.memory import Layout, MemoryEstimate, estimate_memory
 from raytrain_platform.plan.shapes import ModelShape
 
@@ -44,6 +45,8 @@ class PlanRequest:
     tp: int | None = None  # pin the TP degree
     pp: int | None = None  # pin the PP degree
     lora: LoraSize | None = None  # LoRA adapters: the base is frozen (plan/lora.py)
+    # A DPO run's reference model, "copy" | "none" (plan/dpo.py; with LoRA always none); None: not DPO
+    dpo_reference: str | None = None
     # Splits the model's family cannot run ("tp"/"pp" -> why; plan/auto.py:refused_splits)
     refused: tuple[tuple[str, str], ...] = ()
 
@@ -115,9 +118,14 @@ def fit_layout(req: PlanRequest, *, dp: int, tp: int = 1, pp: int = 1, shard: in
     def estimate(micro: int) -> Fit:
         layout = Layout(dp=dp, tp=tp, pp=pp, shard=shard, micro_batch=micro,
                         micro_batches=per_replica // micro)
-        est = estimate_memory(model=req.model, layout=layout, precision=req.precision,
-                              optimizer=req.optimizer,
-                              activation_checkpointing=req.activation_checkpointing, lora=req.lora)
+        if req.dpo_reference is None:
+            est = estimate_memory(model=req.model, layout=layout, precision=req.precision,
+                                  optimizer=req.optimizer,
+                                  activation_checkpointing=req.activation_checkpointing, lora=req.lora)
+        else:  # LoRA's reference is its own base, adapters disabled: no copy
+            est = estimate_dpo_memory(model=req.model, layout=layout, precision=req.precision,
+                                      optimizer=req.optimizer, activation_checkpointing=req.activation_checkpointing,
+                                      lora=req.lora, reference="none" if req.lora else req.dpo_reference)
         return Fit(layout, est, est.total <= req.budget)
 
     if not accumulate:

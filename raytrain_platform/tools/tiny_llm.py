@@ -16,7 +16,7 @@ with Python 3.11 here); more is refused before anything is written.
 >>> import tempfile
 >>> paths = make_all(tempfile.mkdtemp(), samples=50)  # doctest: +SKIP
 >>> sorted(paths)  # doctest: +SKIP
-['chat', 'model', 'prompt_completion', 'text', 'tokenizer']
+['chat', 'model', 'preference', 'preference_chat', 'prompt_completion', 'text', 'tokenizer']
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Mapping
 
 from raytrain_platform.errors import PATH_ERRNOS, ConfigError, OneLineParser, UserError, folder_problem
+from raytrain_platform.tools.preference_data import write_preference_jsonl
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -268,7 +269,9 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def make_instruction_jsonl(out_dir: str | Path, *, n: int = 2000, seed: int = 0) -> dict[str, Path]:
     """Write the first `n` stdlib docstring Q/A pairs as chat.jsonl, prompt_completion.jsonl
-    and text.jsonl into `out_dir`; returns {"chat", "prompt_completion", "text"} → path.
+    and text.jsonl into `out_dir`, and as preference pairs (the docstring chosen, a damaged
+    copy rejected: `preference_data.py`) preference.jsonl and preference_chat.jsonl;
+    returns {"chat", "prompt_completion", "text", "preference", "preference_chat"} → path.
 
     `seed` is accepted for API symmetry; the pairs come in sorted file order, so the
     output depends only on the Python version's standard library."""
@@ -287,6 +290,7 @@ def make_instruction_jsonl(out_dir: str | Path, *, n: int = 2000, seed: int = 0)
         "chat": _write_jsonl(out / "chat.jsonl", chat),
         "prompt_completion": _write_jsonl(out / "prompt_completion.jsonl", prompt_completion),
         "text": _write_jsonl(out / "text.jsonl", [{"text": a} for _, a in pairs]),
+        **write_preference_jsonl(out, pairs),
     }
 
 
