@@ -17,6 +17,7 @@ pass, which the next pass writes again (under a new attempt).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
+from raytrain_platform.data.encode import record_spec
 from raytrain_platform.data.packing import window_arrays
 from raytrain_platform.data.pieces import Piece
 from raytrain_platform.data.specs import SourceSpec
@@ -92,10 +94,7 @@ def _versions() -> dict[str, str]:
 def dataset_key(spec: SourceSpec, pieces: list[Piece]) -> str:
     """A hash of everything the windows depend on (see the module)."""
     t = spec.token_spec()
-    fields = [t.text_field, t.prompt_field, t.completion_field, t.messages_field]
-    if t.pairs:  # a preference source's own fields (other formats' keys stay as they were)
-        fields += [t.chosen_field, t.rejected_field]
-    what = {"kind": spec.kind, "format": t.format, "fields": fields,
+    what = {"kind": spec.kind, "record": dataclasses.asdict(record_spec(t)),  # the format and its field names
             "root": t.path, "seq_len": t.seq_len, "val_fraction": t.val_fraction, "packing": t.packing,
             "pieces": [[_file_state(p) for p in piece.paths] for piece in pieces],
             "tokenizer": _tokenizer_state(t.tokenizer), "versions": _versions()}
