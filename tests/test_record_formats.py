@@ -23,7 +23,7 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from raytrain_platform.config import load_config  # noqa: E402
 from raytrain_platform.data.encode import (  # noqa: E402
-    FORMATS, RecordSpec, check_record, encode_record, encode_records, record_spec, tokenizer_for_format)
+    RecordSpec, check_record, encode_record, encode_records, record_spec, tokenizer_for_format)
 from raytrain_platform.data.tables import (  # noqa: E402
     check_table_files, table_blocks, table_files, table_records, table_schema)
 from raytrain_platform.errors import ConfigError, DataError  # noqa: E402
@@ -90,6 +90,10 @@ def sharegpt_rows(pairs) -> list[dict]:
                      {"from": gpt, "value": a2}]
         rows.append({"conversations": turns})
     return rows
+
+
+# The formats of one document per record (preference pairs: tests/test_preference_data.py).
+FORMATS = ("text", "prompt_completion", "chat", "alpaca", "sharegpt")
 
 
 def rows_of(fmt: str, pairs) -> list[dict]:
@@ -395,7 +399,7 @@ BAD_CONFIGS = [
      "'text' for data.source text (the other formats are records of jsonl, hf_dataset, parquet)"),
     ({"source": "synthetic", "format": "sharegpt"}, None, "data.format", "'text' for data.source synthetic"),
     ({"source": "jsonl", "path": "d", "format": "xml", "tokenizer": "t"}, None, "data.format",
-     "one of ['text', 'prompt_completion', 'chat', 'alpaca', 'sharegpt']"),
+     "one of ['text', 'prompt_completion', 'chat', 'alpaca', 'sharegpt', 'preference']"),
     ({"source": "hf_dataset", "tokenizer": "t"}, None, "data.path", "a datasets save_to_disk folder"),
     ({"source": "hf_dataset", "path": "d"}, None, "data.tokenizer",
      "a local tokenizer folder for data.source hf_dataset (model 'gpt' has no tokenizer"),

@@ -31,12 +31,11 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
 
 import numpy as np
 
-from raytrain_platform.data.specs import FORMATS
+from raytrain_platform.data.specs import FORMATS, RecordFields, RecordSpec, record_fields
 from raytrain_platform.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -55,60 +54,17 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "system": "system"}
 
 
-@dataclass(frozen=True)
-class RecordSpec:
-    """A record format and the field names it reads (``data.format``, ``data.*_field``):
-    all that checking and tokenizing a record needs. Picklable."""
-
-    format: str
-    text_field: str = "text"
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
-    messages_field: str = "messages"
-    instruction_field: str = "instruction"
-    input_field: str = "input"
-    output_field: str = "output"
-    system_field: str = "system"
-    conversations_field: str = "conversations"
-    chosen_field: str = "chosen"
-    rejected_field: str = "rejected"
-
-    def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ConfigError("data.format", self.format, f"one of {', '.join(FORMATS)}")
-
-    @property
-    def fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(the fields a record of this format must have, those it may have).
-
-        >>> RecordSpec("alpaca").fields
-        (('instruction', 'output'), ('input', 'system'))
-        """
-        return {"text": ((self.text_field,), ()),
-                "prompt_completion": ((self.prompt_field, self.completion_field), ()),
-                "chat": ((self.messages_field,), ()),
-                "alpaca": ((self.instruction_field, self.output_field), (self.input_field, self.system_field)),
-                "sharegpt": ((self.conversations_field,), ()),
-                "preference": ((self.prompt_field, self.chosen_field, self.rejected_field), ())}[self.format]
-
-
-def _fields_of(spec: object) -> RecordSpec:
-    names = [f for f in RecordSpec.__dataclass_fields__ if hasattr(spec, f)]
-    return RecordSpec(**{f: getattr(spec, f) for f in names})
-
-
-_cached_fields_of = functools.lru_cache(maxsize=64)(_fields_of)  # a record is checked per line
-
-
-def record_spec(spec: Union[RecordSpec, "TokenSpec"]) -> RecordSpec:
+def record_spec(spec: Union[RecordSpec, RecordFields]) -> RecordSpec:
     """`spec` as a `RecordSpec`: itself, or the format and field names of another spec
-    that has them (a field it lacks keeps its default; `TokenSpec` has no alpaca ones)."""
+    (`TokenSpec`, `SourceSpec`)."""
     if isinstance(spec, RecordSpec):
         return spec
-    try:
-        return _cached_fields_of(spec)
-    except TypeError:  # an unhashable spec
-        return _fields_of(spec)
+    return _record_spec(spec.format, tuple(record_fields(spec).items()))
+
+
+@functools.lru_cache(maxsize=64)  # a record is checked per line
+def _record_spec(format: str, fields: tuple[tuple[str, str], ...]) -> RecordSpec:
+    return RecordSpec(format=format, **dict(fields))
 
 
 # ---------------------------------------------------------------- tokenizer

@@ -5,6 +5,7 @@ on) and `DataInfo` (what the driver knows before training starts). No I/O here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,7 +19,8 @@ if TYPE_CHECKING:
     from raytrain_platform.config import JobConfig
     from raytrain_platform.config.sections import DataConfig
 
-__all__ = ["FORMATS", "PACKINGS", "TOKENIZED_KINDS", "SourceSpec", "TokenSpec", "DataInfo", "split_by_file"]
+__all__ = ["FORMATS", "PACKINGS", "TOKENIZED_KINDS", "RecordFields", "RecordSpec", "record_fields", "SourceSpec",
+           "TokenSpec", "DataInfo", "split_by_file"]
 
 FORMATS = ("text", "prompt_completion", "chat", "alpaca", "sharegpt",
            "preference")  # record formats (data/encode.py; pairs: data/preference.py)
@@ -26,16 +28,11 @@ PACKINGS = ("documents", "concat")  # how documents fill windows (data/packing.p
 TOKENIZED_KINDS = ("jsonl", "hf_dataset")  # always tokenized (text is with a tokenizer; parquet for lm)
 
 
-@dataclass(frozen=True)
-class TokenSpec:
-    """What a tokenized source's windows depend on: its records' format and field
-    names, the tokenizer, the window length, the split and the packing."""
+@dataclass(frozen=True, kw_only=True)
+class RecordFields:
+    """The field names records are read by (``data.*_field``): one list for every spec
+    that reads records (keyword-only: they follow a subclass's own fields)."""
 
-    path: str  # the source's root: a .jsonl file or a folder (recursive); local path or URI
-    format: str  # one of FORMATS
-    tokenizer: str  # local folder of a Hugging Face tokenizer
-    seq_len: int  # tokens per window, including the extra target token (context + 1)
-    val_fraction: float
     text_field: str = "text"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
@@ -47,6 +44,50 @@ class TokenSpec:
     conversations_field: str = "conversations"
     chosen_field: str = "chosen"  # preference
     rejected_field: str = "rejected"
+
+
+@dataclass(frozen=True)
+class RecordSpec(RecordFields):
+    """A record format and the field names it reads (``data.format``, ``data.*_field``):
+    all that checking and tokenizing a record needs. Picklable."""
+
+    format: str
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ConfigError("data.format", self.format, f"one of {', '.join(FORMATS)}")
+
+    @property
+    def fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(the fields a record of this format must have, those it may have).
+
+        >>> RecordSpec("alpaca").fields
+        (('instruction', 'output'), ('input', 'system'))
+        """
+        return {"text": ((self.text_field,), ()),
+                "prompt_completion": ((self.prompt_field, self.completion_field), ()),
+                "chat": ((self.messages_field,), ()),
+                "alpaca": ((self.instruction_field, self.output_field), (self.input_field, self.system_field)),
+                "sharegpt": ((self.conversations_field,), ()),
+                "preference": ((self.prompt_field, self.chosen_field, self.rejected_field), ())}[self.format]
+
+
+def record_fields(source: object) -> dict[str, str]:
+    """The field names `source` holds (a spec, or the ``data`` config), by name: what
+    another spec is made with."""
+    return {f.name: getattr(source, f.name) for f in dataclasses.fields(RecordFields)}
+
+
+@dataclass(frozen=True)
+class TokenSpec(RecordFields):
+    """What a tokenized source's windows depend on: its records' format and field
+    names, the tokenizer, the window length, the split and the packing."""
+
+    path: str  # the source's root: a .jsonl file or a folder (recursive); local path or URI
+    format: str  # one of FORMATS
+    tokenizer: str  # local folder of a Hugging Face tokenizer
+    seq_len: int  # tokens per window, including the extra target token (context + 1)
+    val_fraction: float
     packing: str = "concat"  # documents | concat (`packing.py`); preference: never packed
 
     @property
@@ -66,7 +107,7 @@ class TokenSpec:
 
 
 @dataclass(frozen=True)
-class SourceSpec:
+class SourceSpec(RecordFields):
     """Everything a reader needs, as plain picklable values (shipped to Ray tasks)."""
 
     kind: str  # text | synthetic | parquet | jsonl
@@ -86,17 +127,6 @@ class SourceSpec:
     max_read_rows_per_s: float | None = None  # a read task sleeps to stay under this rate
     tokenizer: str | None = None  # text, jsonl: a local tokenizer folder (None: text as bytes)
     format: str = "text"  # jsonl: text | prompt_completion | chat
-    text_field: str = "text"
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
-    messages_field: str = "messages"
-    instruction_field: str = "instruction"
-    input_field: str = "input"
-    output_field: str = "output"
-    system_field: str = "system"
-    conversations_field: str = "conversations"
-    chosen_field: str = "chosen"  # preference
-    rejected_field: str = "rejected"
     packing: str = "concat"  # records: documents | concat (`packing.py`)
     cache_root: str | None = None  # tokenized: where the tokenized datasets are written (`prepared.py`)
     prepared: str | None = None  # tokenized: the folder of this source's tokenized dataset, once known
@@ -131,12 +161,8 @@ class SourceSpec:
                    num_classes=d.num_classes, seed=d.seed,
                    feature_columns=tuple(d.feature_columns or ()), label_column=d.label_column,
                    max_read_rows_per_s=d.max_read_rows_per_s, tokenizer=d.tokenizer_for(m),
-                   format=d.format, text_field=d.text_field, prompt_field=d.prompt_field,
-                   completion_field=d.completion_field, messages_field=d.messages_field,
-                   instruction_field=d.instruction_field, input_field=d.input_field, output_field=d.output_field,
-                   system_field=d.system_field, conversations_field=d.conversations_field,
-                   chosen_field=d.chosen_field, rejected_field=d.rejected_field, packing=d.resolved_packing, cache_root=d.cache_root(cfg.run.storage_path),
-                   prepared=prepared)
+                   format=d.format, **record_fields(d), packing=d.resolved_packing,
+                   cache_root=d.cache_root(cfg.run.storage_path), prepared=prepared)
 
     @property
     def tokenized(self) -> bool:
@@ -150,13 +176,7 @@ class SourceSpec:
         assert self.tokenized and self.tokenizer, self
         return TokenSpec(path=self.path or default_text_root(), tokenizer=self.tokenizer,
                          format=self.format if self.kind != "text" else "text",
-                         seq_len=self.seq_len, val_fraction=self.val_fraction,
-                         text_field=self.text_field, prompt_field=self.prompt_field,
-                         completion_field=self.completion_field, messages_field=self.messages_field,
-                         instruction_field=self.instruction_field, input_field=self.input_field,
-                         output_field=self.output_field, system_field=self.system_field,
-                         conversations_field=self.conversations_field, chosen_field=self.chosen_field,
-                         rejected_field=self.rejected_field,
+                         seq_len=self.seq_len, val_fraction=self.val_fraction, **record_fields(self),
                          packing=self.packing if self.kind != "text" else "concat")
 
     @property
