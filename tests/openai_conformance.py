@@ -19,7 +19,8 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENT = ROOT.parent / "shared" / "openai-openapi.json.gz"
+# OpenAI's published API description (openai/openai-openapi, MIT), copied as the project shared it.
+DOCUMENT = ROOT / "tests" / "data" / "openai-openapi.json.gz"
 _URI = "urn:openai-openapi"
 
 

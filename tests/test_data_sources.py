@@ -80,7 +80,7 @@ def test_glob_matches_the_folders_of_the_pattern(tmp_path, glob, expected):
     for name in ["a.txt", "sub/b.txt", "sub/deep/c.txt", "other/d.txt", "sub/e.md"]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("some text\n")
-    files = sources.text_files(SourceSpec(kind="text", task="lm", val_fraction=0.0, path=str(tmp_path), glob=glob))
+    files = sources.text_files(str(tmp_path), glob)
     assert [p for p, _ in files] == sorted(str(tmp_path / n) for n in expected)
 
 

@@ -384,9 +384,9 @@ class DataConfig:
         """Where tokenized datasets are written: ``cache_path``, else ``<storage_path>/datasets``
         (local paths absolute: Ray's processes start elsewhere).
 
-        >>> DataConfig(source="jsonl", path="d", cache_path="s3://b/ds").cache_root("/runs")
+        >>> DataConfig(source="jsonl", path="d", batch_size=8, cache_path="s3://b/ds").cache_root("/runs")
         's3://b/ds'
-        >>> DataConfig(source="jsonl", path="d").cache_root("/runs")
+        >>> DataConfig(source="jsonl", path="d", batch_size=8).cache_root("/runs")
         '/runs/datasets'
         """
         root = self.cache_path or storage_path.rstrip("/") + "/datasets"

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
 
 import numpy as np
 
-from raytrain_platform.data.specs import FORMATS, RecordFields, RecordSpec, record_fields
+from raytrain_platform.data.specs import FORMATS, RecordSpec, record_fields
 from raytrain_platform.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
-    from raytrain_platform.data.specs import TokenSpec
+    from raytrain_platform.data.specs import SourceSpec, TokenSpec
 
 __all__ = ["ENCODE_BATCH", "ENCODE_CHARS", "FORMATS", "CHAT_FORMATS", "SHAREGPT_ROLES", "RecordSpec",
            "record_spec", "RecordError", "load_tokenizer", "folder_state", "tokenizer_for_format", "check_record",
@@ -54,7 +54,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "system": "system"}
 
 
-def record_spec(spec: Union[RecordSpec, RecordFields]) -> RecordSpec:
+def record_spec(spec: Union[RecordSpec, "TokenSpec", "SourceSpec"]) -> RecordSpec:
     """`spec` as a `RecordSpec`: itself, or the format and field names of another spec
     (`TokenSpec`, `SourceSpec`)."""
     if isinstance(spec, RecordSpec):

@@ -81,10 +81,9 @@ def source_pieces(spec: SourceSpec) -> list[Piece]:
         files = tables.table_files(spec.kind, spec.path or "")
         tables.check_table_files(spec.kind, files, spec.token_spec())  # columns and types: metadata only
         return [Piece(i, spec.kind, (path,), _size(path)) for i, path in enumerate(files)]
-    files = text_files(spec.path, spec.glob, spec.max_files)
-    sizes = dict(files)
-    return [Piece(i, "text", group, sum(sizes[p] for p in group))
-            for i, group in enumerate(text_groups(files))]
+    sized = text_files(spec.path, spec.glob, spec.max_files)
+    sizes = dict(sized)
+    return [Piece(i, "text", group, sum(sizes[p] for p in group)) for i, group in enumerate(text_groups(sized))]
 
 
 @dataclass

@@ -212,7 +212,8 @@ class WindowWriter:
             fs.create_dir(local.rsplit("/", 1)[0], recursive=True)
             self.sink = fs.open_output_stream(local)
             self.writer = pq.ParquetWriter(self.sink, table.schema)
-        self.writer.write_table(table, row_group_size=len(batch["sample_id"]))
+        writer: pq.ParquetWriter = self.writer
+        writer.write_table(table, row_group_size=len(batch["sample_id"]))
         self.rows += len(batch["sample_id"])
         self.pending, self.held = [], 0
 

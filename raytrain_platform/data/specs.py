@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class RecordSpec(RecordFields):
                 "preference": ((self.prompt_field, self.chosen_field, self.rejected_field), ())}[self.format]
 
 
-def record_fields(source: object) -> dict[str, str]:
+def record_fields(source: object) -> dict[str, Any]:
     """The field names `source` holds (a spec, or the ``data`` config), by name: what
     another spec is made with."""
     return {f.name: getattr(source, f.name) for f in dataclasses.fields(RecordFields)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import sys
 import time
@@ -258,7 +259,7 @@ def _stages(token_spec: TokenSpec, pieces: list[Piece], directory: str, attempt:
     progress = _Progress(pieces, "on the cluster", say)
     items = _items(pieces, blocks=True)
     blocks = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        tokenize_blocks, fn_kwargs={"spec": token_spec, "staging": staging}, batch_size=1, batch_format="numpy")
+        functools.partial(tokenize_blocks, spec=token_spec, staging=staging), batch_size=1, batch_format="numpy")
     errors: dict[tuple[int, int], tuple[int, str]] = {}
     lines: dict[tuple[int, int], int] = {}
     for row in blocks.iter_rows():
@@ -272,7 +273,7 @@ def _stages(token_spec: TokenSpec, pieces: list[Piece], directory: str, attempt:
             raise DataError(said)
     items = _items(pieces, blocks=False)
     packed = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        pack_pieces, fn_kwargs={"spec": token_spec, "staging": staging, "directory": directory, "attempt": attempt},
+        functools.partial(pack_pieces, spec=token_spec, staging=staging, directory=directory, attempt=attempt),
         batch_size=1, batch_format="numpy")
     entries = sorted((json.loads(str(row["entry"])) for row in packed.iter_rows()), key=lambda e: e["index"])
     return entries, progress
