@@ -198,23 +198,7 @@ def test_bad_input_is_one_line_and_exit_2(setup, tmp_path, capsys, monkeypatch):
     assert len(err.splitlines()) == 1
 
 
-def _server_has_echo() -> bool:
-    """Whether the completions schema takes what local-completions sends (echo + logprobs)."""
-    from pydantic import ValidationError
-
-    from raytrain_platform.serve.openai_schemas import CompletionRequest
-
-    try:
-        CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]], "echo": True, "logprobs": 1,
-                                          "max_tokens": 1, "temperature": 0, "seed": 1234})
-    except ValidationError:
-        return False
-    return True
-
-
 @pytest.mark.ray
-@pytest.mark.skipif(not _server_has_echo(), reason="the server's completions have no echo + logprobs yet "
-                                                   "(lm_eval's local-completions needs both)")
 def test_scores_through_rtp_serve_equal_lm_eval_hf_on_the_same_export(setup, hf_record, ray_cluster, monkeypatch):
     """lm_eval's local-completions against `rtp serve` of the export (with an API key,
     from RTP_API_KEY as the CLI reads it): the same log-likelihoods, the same scores."""

@@ -229,10 +229,10 @@ def runs(tmp_path_factory, tiny) -> LayoutRuns:
 
 
 # The 4-process TP x FSDP and PP x FSDP, the data-parallel activation-checkpointing, the
-# compiled FSDP without checkpointing, and the compiled and checkpointed TP and PP layouts
-# run with the extended tests (pytest -m extended): the default suite keeps DDP, FSDP, TP,
-# PP, compiled TP, TP with checkpointing, and compiled FSDP with checkpointing.
-_EXTENDED = {"tp2_fsdp2", "fsdp2_ac", "ddp2_ac", "fsdp2_compile", "tp2_fsdp2_compile", "tp2_compile_ac",
+# compiled FSDP without checkpointing, and the compiled TP and PP layouts run with the
+# extended tests (pytest -m extended): the default suite keeps DDP, FSDP, TP, PP, TP with
+# checkpointing, and compiled FSDP with checkpointing.
+_EXTENDED = {"tp2_fsdp2", "fsdp2_ac", "ddp2_ac", "fsdp2_compile", "tp2_fsdp2_compile", "tp2_compile", "tp2_compile_ac",
              "pp2_gpipe_fsdp2", "pp2_1f1b_compile_ac"}
 
 
@@ -250,7 +250,7 @@ def test_every_layout_matches_one_process(runs, layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, eager_layout", [pytest.param("fsdp2_compile", "fsdp2", marks=pytest.mark.extended),
-                                                  ("tp2_compile", "tp2"),
+                                                  pytest.param("tp2_compile", "tp2", marks=pytest.mark.extended),
                                                   ("tp2_ac", "tp2"), ("fsdp2_compile_ac", "fsdp2"),
                                                   ("pp2_1f1b", "fsdp2")])
 def test_compiled_and_checkpointed_runs_save_the_models_own_parameter_names(runs, layout, eager_layout):

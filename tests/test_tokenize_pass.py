@@ -83,6 +83,7 @@ def test_the_windows_are_those_of_the_readers_before_in_this_process(corpus, tmp
 
 
 @pytest.mark.ray
+@pytest.mark.extended  # the same windows in this process, by default; here through Ray Data's tasks
 def test_the_windows_are_those_of_the_readers_before_on_ray(ray_cluster, corpus, tmp_path, monkeypatch):
     """The same through Ray Data's tasks (a file's byte ranges tokenized side by side)."""
     monkeypatch.setattr(jsonl, "BLOCK_BYTES", 3000)  # the driver cuts the ranges; the tasks read them
@@ -256,6 +257,7 @@ def test_a_mixture_draws_by_weight_every_window_of_every_source(corpus, tmp_path
     assert source_of(val).tolist() == [0] * len(own_val[0]) + [1] * len(own_val[1])
 
 
+@pytest.mark.extended  # three torchrun launches
 def test_a_resumed_mixture_run_continues_the_same_sequence(corpus, tmp_path):
     """Under torchrun: 3 steps, then the same run resumed to 6, trains on what 6 steps in
     one go train on (the same losses at steps 4 to 6: the data, not only the count)."""
