@@ -437,11 +437,11 @@ def tied_runs(tmp_path_factory, tied) -> LayoutRuns:
 @pytest.mark.parametrize("source, target, nproc, sections", [
     # the last stage reads its head from the FSDP shards' lm_head.weight
     ("fsdp2", "tied_fsdp2_resumed_as_pp2", 2, {"parallel": {"pp_size": 2}}),
-    ("fsdp2", "tied_fsdp2_resumed_on_1", 1, {}),
+    pytest.param("fsdp2", "tied_fsdp2_resumed_on_1", 1, {}, marks=pytest.mark.extended),
     # one process reads the two stages' copies into its one tensor
-    ("pp2_1f1b", "tied_pp2_resumed_on_1", 1, {}),
+    pytest.param("pp2_1f1b", "tied_pp2_resumed_on_1", 1, {}, marks=pytest.mark.extended),
     # each stage reads its tensors from one process's full ones
-    ("one", "tied_one_resumed_as_pp2", 2, {"parallel": {"pp_size": 2}}),
+    pytest.param("one", "tied_one_resumed_as_pp2", 2, {"parallel": {"pp_size": 2}}, marks=pytest.mark.extended),
     # TP x PP: each stage's vocabulary rows of the two copies, into one tensor (4 processes)
     pytest.param("tp2_pp2", "tied_tp2_pp2_resumed_on_1", 1, {}, marks=pytest.mark.extended),
     pytest.param("fsdp2", "tied_fsdp2_resumed_as_tp2_pp2", 4, LAYOUTS["tp2_pp2"][1], marks=pytest.mark.extended),

@@ -110,10 +110,10 @@ LAYOUTS = {
                                                   "strategy": "fsdp", "activation_checkpointing": True},
                                         data={"batch_size": 4}, train=accum(2))),
 }
-# 4 or more processes, more compiled TP layouts (tests/test_hf.py's tp2_compile runs by default),
-# or the compiled interleaved stages (pp2_1f1b_compile_ac_accum2 compiles stages by default);
-# TP x PP runs by default in tests/test_hf.py (the tiny Llama, pretrained weights into both splits).
-_EXTENDED = {"pp2_fsdp2_ac_accum2", "tp2_sp_compile_accum2", "tp2_sp_compile_ac_accum2",
+# 4 or more processes, the compiled TP and pipeline layouts (tests/test_hf.py's fsdp2_compile_ac
+# compiles checkpointed blocks by default); TP x PP runs by default in tests/test_hf.py (the tiny
+# Llama, pretrained weights into both splits).
+_EXTENDED = {"pp2_fsdp2_ac_accum2", "tp2_sp_compile_accum2", "tp2_sp_compile_ac_accum2", "pp2_1f1b_compile_ac_accum2",
              "pp2_interleaved_compile_accum2", "tp2_pp2_accum2", "tp2_sp_pp2_interleaved_accum2",
              "tp2_pp2_fsdp2_ac_accum2"}
 

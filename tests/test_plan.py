@@ -75,6 +75,7 @@ def test_activation_estimate_within_10pct_of_saved_tensors(precision):
     _within(r["measured"], {"activations": r["estimated_saved"]}, keys=("activations",))
 
 
+@pytest.mark.extended  # compiles blocks, ~18 s
 @pytest.mark.timeout(180)
 def test_checkpointed_activation_estimate_within_10pct_eager_and_inside_compiled_blocks(tmp_path):
     """With activation checkpointing the plan counts each block's input and the head's

@@ -289,6 +289,7 @@ def _git_head() -> str | None:
 
 
 @pytest.mark.ray
+@pytest.mark.extended  # two 2-worker Ray runs, ~40 s
 def test_ddp_run_and_its_resumption_are_one_mlflow_run(ray_cluster, tmp_path, monkeypatch):
     """2 DDP workers, 6 steps; then the same run name with 9 steps resumes from the
     step-6 checkpoint into the same MLflow run and the same TensorBoard curves."""
