@@ -123,6 +123,14 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
                     num_heads=4, num_kv_heads=2)
 
 
+@pytest.fixture(scope="module")
+def tok(tiny):
+    """The tokenizer of the module's `tiny` (loaded as transformers loads it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny["tokenizer"]), local_files_only=True)
+
+
 def assert_losses_close(actual: list[float], expected: list[float], *, rtol: float, atol: float = 1e-6) -> None:
     """Two loss curves equal step by step within `rtol` (relative) + `atol`, lengths first."""
     import torch

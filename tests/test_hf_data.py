@@ -53,13 +53,6 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     return tiny_llm.make_all(tmp_path_factory.mktemp("tiny"), samples=300)
 
 
-@pytest.fixture(scope="module")
-def tok(tiny):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny["tokenizer"]), local_files_only=True)
-
-
 def hf_config(tmp: Path, name: str, tiny: dict, **sections) -> dict:
     """The tiny Llama (user builder, 512-token vocabulary) on chat JSONL, 64-token context."""
     return job_config(tmp, name, dict(

@@ -40,13 +40,6 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     return tiny_llm.make_all(tmp_path_factory.mktemp("tiny"), samples=300)
 
 
-@pytest.fixture(scope="module")
-def tok(tiny):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny["tokenizer"]), local_files_only=True)
-
-
 def spec_for(tiny, fmt: str, **kw) -> SourceSpec:
     """A jsonl source over the tiny data (`fmt`'s file), its datasets under the module's folder."""
     args = dict(kind="jsonl", task="lm", path=str(tiny[fmt]), format=fmt, tokenizer=str(tiny["tokenizer"]),

@@ -45,13 +45,6 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     return tiny_llm.make_all(tmp_path_factory.mktemp("tiny"), samples=300)
 
 
-@pytest.fixture(scope="module")
-def tok(tiny):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny["tokenizer"]), local_files_only=True)
-
-
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
