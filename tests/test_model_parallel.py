@@ -208,7 +208,7 @@ def test_resume(tmp_path, runs, source, nproc, target):
 @pytest.mark.parametrize("source", ["tp2_fsdp2_accum2", "pp2_ddp2_accum2",
                                     "pp2_interleaved_accum2", "tp2_sp_accum2", "pp2_1f1b_ac_accum2",
                                     pytest.param("pp2_interleaved_compile_accum2", marks=pytest.mark.extended),
-                                    "pp2_1f1b_compile_ac_accum2",
+                                    pytest.param("pp2_1f1b_compile_ac_accum2", marks=pytest.mark.extended),
                                     pytest.param("tp2_sp_compile_accum2", marks=pytest.mark.extended),
                                     pytest.param("tp2_pp2_fsdp2_ac_accum2", marks=pytest.mark.extended)])
 def test_export_consolidates(tmp_path, runs, source):
