@@ -1,3 +1,4 @@
+import contextlib
 import os
 import shutil
 import signal
@@ -147,6 +148,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(application):
+    """A Serve `application` (serve/builder.py's `app`) on a free port of 127.0.0.1,
+    as "rtp", at "/": yields its base URL; Serve is shut down after."""
+    from ray import serve
+
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(application, name="rtp", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
 
 
 def torchrun_launch(nproc: int) -> list[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, hf_config, mlp_config, train_in_process
+from conftest import hf_config, mlp_config, serve_app, train_in_process
 
 from raytrain_platform.cli import main as rtp
 
@@ -202,7 +202,6 @@ def test_bad_input_is_one_line_and_exit_2(setup, tmp_path, capsys, monkeypatch):
 def test_scores_through_rtp_serve_equal_lm_eval_hf_on_the_same_export(setup, hf_record, ray_cluster, monkeypatch):
     """lm_eval's local-completions against `rtp serve` of the export (with an API key,
     from RTP_API_KEY as the CLI reads it): the same log-likelihoods, the same scores."""
-    from ray import serve
 
     from raytrain_platform.evaluation import EvalSpec, evaluate_path
     from raytrain_platform.serve.builder import app
@@ -210,14 +209,9 @@ def test_scores_through_rtp_serve_equal_lm_eval_hf_on_the_same_export(setup, hf_
     monkeypatch.setenv("RTP_API_KEY", "sk-eval-test")
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     application = app({"checkpoint": f"ft={setup['export']}", "api_key_env": "RTP_API_KEY", "cpus_per_replica": 1})
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(application, name="rtp", route_prefix="/")
+    with serve_app(application) as url:
         _, served = evaluate_path(setup["export"], EvalSpec(tasks=[TASK], include=[str(setup["tasks"])],
-                                                            base_url=f"http://127.0.0.1:{port}", log_samples=True))
-    finally:
-        serve.shutdown()
+                                                            base_url=url, log_samples=True))
     assert served["backend"] == "local-completions" and served["served_model"] is None
     torch.testing.assert_close(torch.tensor(_sample_lls(served), dtype=torch.float64),
                                torch.tensor(_sample_lls(hf_record), dtype=torch.float64), rtol=0, atol=LL_ATOL)

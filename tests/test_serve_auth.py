@@ -15,7 +15,7 @@ import openai
 import pytest
 import requests
 import yaml
-from conftest import free_port
+from conftest import serve_app
 
 from raytrain_platform.cli import main as rtp
 from raytrain_platform.errors import ConfigError
@@ -121,7 +121,6 @@ def served(tiny, ray_cluster):
     """The tiny model served with the two keys, from RTP_API_KEY as `serve deploy` reads them."""
     import os
 
-    from ray import serve
 
     from raytrain_platform.serve.builder import app
 
@@ -131,13 +130,8 @@ def served(tiny, ray_cluster):
                            "max_new_tokens": 8, "cpus_per_replica": 1})
     finally:
         del os.environ["RTP_API_KEY"]
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(application, name="rtp", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    with serve_app(application) as url:
+        yield url
 
 
 def _client(served: str, key: str) -> openai.OpenAI:

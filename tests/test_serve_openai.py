@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 import yaml
-from conftest import free_port, hf_config, load_test, train_in_process
+from conftest import hf_config, load_test, serve_app, train_in_process
 from test_serve import GPT_KWARGS, _train
 
 from raytrain_platform.cli import main as rtp
@@ -333,20 +333,14 @@ def test_vllm_config_for_an_hf_export_validates_against_ray_serve_llm(models, tm
 def served(models, ray_cluster):
     """One Serve app: the sweep (sweep/a, sweep/b), the export, the gpt and the user LM,
     on the module's Ray (whose workers import tests/user_models.py, as training did)."""
-    from ray import serve
 
     from raytrain_platform.serve.builder import app
 
     checkpoint = (f"sweep={models['sweep']},tiny={models['export']},gpt={models['gpt']},user={models['user']},"
                   f"user_clf={models['user_clf']}")
     application = app({"checkpoint": checkpoint, **LIMITS, "trust_builder": True})  # the user runs
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(application, name="rtp", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    with serve_app(application) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import openai
 import pytest
 import requests
 import torch
-from conftest import free_port
+from conftest import serve_app
 from openai_conformance import OpenAISchemas
 
 from raytrain_platform.serve.engine import SamplingParams, adjusted
@@ -55,17 +55,11 @@ def folder(tiny, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(folder, ray_cluster):
-    from ray import serve
 
     from raytrain_platform.serve.builder import app
 
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app({"checkpoint": f"tiny={folder}", **LIMITS}), name="rtp", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    with serve_app(app({"checkpoint": f"tiny={folder}", **LIMITS})) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
