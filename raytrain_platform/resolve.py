@@ -80,11 +80,6 @@ def resolve_job(cfg: JobConfig, hardware: "Hardware | None" = None, *,
     (data/tokenize_pass.py), after every other check: on Ray where `start_ray` is given
     (it connects or starts it) or this process is connected, else in this process."""
     family = get_family(cfg.model.name)
-    if cfg.train.objective == "dpo" and cfg.train.dpo.precompute_reference:
-        # The engine reads ref_*_logps from each batch; no pass writes them beside the pairs yet.
-        raise ConfigError("train.dpo.precompute_reference", True, "false for a run from data.path: the tokenized "
-                          "pairs carry no reference log-probs (core.preference.ReferenceScorer computes them for "
-                          "batches fed to the engine directly)")
     tokenizer = cfg.data.tokenizer
     if tokenizer and not os.path.isabs(tokenizer):  # Ray's tasks do not share this working directory
         cfg = cfg.replace({"data.tokenizer": os.path.abspath(os.path.expanduser(tokenizer))})

@@ -321,7 +321,7 @@ def test_lora_reference_is_the_base_with_adapters_off(tmp_path, tiny, pairs):
     from raytrain_platform.models.preference import pair_inputs, sequence_logps
 
     engine = _engine(dpo_config(tmp_path, tiny["model"], "lora", model={"lora": {"r": 4}}))
-    assert engine.preference.reference is None
+    assert engine.preference.reference.copy is None and engine.preference.memory() == {}
     torch.manual_seed(0)
     with torch.no_grad():  # adapters that change the outputs (lora_B starts at 0)
         for name, p in engine.wrapped.base.named_parameters():
@@ -354,29 +354,31 @@ def test_lora_run_starts_at_log2_and_learns(tmp_path, tiny, pairs):
 
 
 def test_precomputed_reference_gives_the_live_references_losses(tmp_path, tiny, pairs):
-    """ReferenceScorer's log-probs stored with the pairs (train.dpo.precompute_reference):
-    no reference model is built, and the losses are those of the live reference."""
-    from raytrain_platform.core.dist import init_torchrun
-    from raytrain_platform.core.preference import ReferenceScorer
+    """Reference log-probs carried by the batches (train.dpo.precompute_reference, fed to
+    the engine directly), computed here by transformers' own model of the reference
+    folder: no reference model is built, and the losses are those of the live reference."""
+    from raytrain_platform.models.preference import pair_inputs, sequence_logps
 
     cfg = dpo_config(tmp_path, tiny["policy"], "live", train={"max_steps": 3, "dpo": {
         "reference": str(tiny["model"])}})
     live = run_engine(_load(cfg), pairs)
-    scorer = ReferenceScorer(_load(cfg), init_torchrun(use_gpu=False))
-    scored = [scorer.logps(take(pairs, slice(i, i + 8))) for i in range(0, 40, 8)]
-    stored = {**pairs, **{k: torch.cat([s[k] for s in scored]) for k in scored[0]}}
-    assert stored["ref_chosen_logps"].shape == (40,) and stored["ref_chosen_logps"].dtype == torch.float32
+    inputs, targets = pair_inputs(pairs)
+    with torch.no_grad():
+        logps, _ = sequence_logps(_hf(tiny["model"])(inputs).logits, targets)
+    chosen, rejected = logps.chunk(2)
+    stored = {**pairs, "ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
     built = []
     cfg["train"]["dpo"]["precompute_reference"] = True
     cfg["run"]["name"] = "precomputed"
-    pre = run_engine(_load(cfg), stored, engine_hook=lambda e: built.append(e.preference.reference))
+    pre = run_engine(_load(cfg), stored,
+                     engine_hook=lambda e: built.append(e.preference.reference or e.preference.table))
     assert built == [None]
-    # measured: equal to the last bit (the scorer's batches of 8 rows, the engine's of 4); the
-    # tolerance leaves room for a BLAS whose results depend on the batch's rows
+    # transformers' full logits against the engine's counted head, the same sums in another
+    # order: measured loss 1.1e-6, rewards 2.1e-6, log-probs 3.1e-5 near -200 (1.5e-7 relative)
     for name in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen"):
         torch.testing.assert_close(torch.tensor([r[name] for r in pre]), torch.tensor([r[name] for r in live]),
-                                   rtol=1e-5, atol=1e-6)
-    with pytest.raises(KeyError):  # without stored log-probs, a precomputing run has no reference to ask
+                                   rtol=LOGPS_RTOL, atol=TRL_ATOL)
+    with pytest.raises(KeyError, match="ref_chosen_logps"):  # no stored log-probs and no dataset to score
         run_engine(_load({**cfg, "run": {**cfg["run"], "name": "missing"}}), pairs)
 
 
@@ -446,25 +448,75 @@ def test_reference_folder_with_another_vocabulary_is_refused(tmp_path, tiny):
 
 
 def test_a_lora_dpo_checkpoint_exports_the_policy(tmp_path, tiny, pairs):
-    """A DPO run's checkpoint holds the policy only (with LoRA: the adapters): `rtp export
-    --format hf` gives the trained policy, which transformers loads on its own."""
-    from raytrain_platform.export import export_checkpoint
+    """A DPO run's checkpoint holds the policy only (with LoRA: the adapters). `rtp export
+    --format hf` gives the merged policy, which transformers loads on its own; `--format
+    peft` gives the adapters, which peft's `PeftModel.from_pretrained` puts on the base:
+    both score the pairs as the trained policy does."""
+    from peft import PeftModel
+
+    from raytrain_platform.cli import main as rtp
     from raytrain_platform.models.preference import pair_inputs, sequence_logps
 
     engines = []
     cfg = dpo_config(tmp_path, tiny["model"], "export", model={"lora": {"r": 4}},
                      train={"max_steps": 2, "lr": 1e-2}, run={"checkpoint_every": 2})
     run_engine(_load(cfg), pairs, checkpoints=str(tmp_path / "ckpt"), engine_hook=engines.append)
-    out = export_checkpoint(tmp_path / "ckpt" / "step_2", tmp_path / "hf", format="hf")
-    exported, base = _hf(out), _hf(tiny["model"])
+    for form in ("hf", "peft"):
+        assert rtp(["export", str(tmp_path / "ckpt" / "step_2"), "--format", form,
+                    "--out", str(tmp_path / form)]) == 0
+    merged, base = _hf(tmp_path / "hf"), _hf(tiny["model"])
+    assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
     inputs, targets = pair_inputs(take(pairs, slice(0, 4)))
     with torch.no_grad():
         ours, _ = sequence_logps(engines[0].wrapped.module(inputs).logits, targets)
-        theirs, _ = sequence_logps(exported(inputs).logits, targets)
         before, _ = sequence_logps(base(inputs).logits, targets)
-    # the adapters merged into the weights: measured 7.3e-8 relative
-    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=0)
-    assert (theirs - before).abs().max() > 1e-2  # the trained policy, not the reference
+        adapted = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+        theirs = {"hf": sequence_logps(merged(inputs).logits, targets)[0],
+                  "peft": sequence_logps(adapted(inputs).logits, targets)[0]}
+    # measured: 7.3e-8 relative merged into the weights, 0 as peft's adapters on the base
+    for logps in theirs.values():
+        torch.testing.assert_close(logps, ours, rtol=1e-5, atol=0)
+    assert (ours - before).abs().max() > 1e-2  # the trained policy, not the reference
+
+
+@pytest.mark.extended
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_dpo_run_serves_to_the_openai_client(tmp_path, tiny, pairs, ray_cluster):
+    """A LoRA DPO run's checkpoint and its `--format hf` export, served by one Serve app
+    as any SFT run's: the `openai` client's greedy completion and chat answer from each
+    are transformers' own greedy generation from the export."""
+    import openai
+    from conftest import serve_app
+
+    from raytrain_platform.cli import main as rtp
+    from raytrain_platform.serve.builder import app
+    from raytrain_platform.serve.text import HFTokenizer
+
+    cfg = dpo_config(tmp_path, tiny["model"], "served", model={"lora": {"r": 4}},
+                     train={"max_steps": 2, "lr": 1e-2}, run={"checkpoint_every": 2})
+    run_engine(_load(cfg), pairs, checkpoints=str(tmp_path / "ckpt"))
+    ckpt = tmp_path / "ckpt" / "step_2"
+    assert rtp(["export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    model, tok = _hf(tmp_path / "hf"), HFTokenizer(str(tmp_path / "hf"))
+    eos = list(model.generation_config.eos_token_id)
+
+    def greedy(ids: list[int], n: int) -> str:
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0)
+        return tok.decode(out[0, len(ids):].tolist())
+
+    prompt = "What does `os.path.join` do?\n"
+    messages = [{"role": "user", "content": "What does `os.path.join` do?"}]
+    with serve_app(app({"checkpoint": f"dpo={ckpt},merged={tmp_path / 'hf'}", "max_batch_size": 4})) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert {m.id for m in client.models.list()} == {"dpo", "merged"}
+        for name in ("dpo", "merged"):
+            done = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
+            assert done.choices[0].text == greedy(tok.encode(prompt), 12), name
+            chat = client.chat.completions.create(model=name, messages=messages, max_tokens=10, temperature=0)
+            assert chat.choices[0].message.content == greedy(tok.encode_rendered(tok.render_chat(messages)), 10)
 
 
 def test_the_progress_line_shows_the_reward_accuracy():

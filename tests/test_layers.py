@@ -217,7 +217,7 @@ DATA_LAYERS: list[set[str]] = [
     {"dealing", "generate"},  # who reads which micro-batch; `rtp make-data`
     {"sources"},  # the front door
     {"mixed"},  # a mixture's dataset: its sources' datasets, drawn by mixture.py's plan
-    {"tokenize_pass"},  # the pass that writes a tokenized dataset
+    {"tokenize_pass", "ref_logps"},  # the pass that writes a tokenized dataset; DPO's reference log-probs
     {"prepared"},  # a written dataset: key, manifest, windows
     {"pieces"},  # a tokenized source in pieces and blocks
     {"jsonl", "tables", "text_groups", "raw"},  # one reader per source

@@ -239,20 +239,6 @@ def test_dpo_and_preference_pairs_go_together(tiny, tmp_path, train, data, expec
     assert str(err.value).startswith(expected) and "\n" not in str(err.value), str(err.value)
 
 
-def test_precomputed_reference_log_probs_from_data_are_refused_before_ray(tiny, tmp_path):
-    """No pass stores reference log-probs beside the pairs yet: one line, not a missing
-    key at the first step."""
-    from raytrain_platform.errors import ConfigError
-    from raytrain_platform.resolve import resolve_job
-
-    cfg = pair_config(tmp_path, tiny)
-    cfg["train"]["dpo"] = {"precompute_reference": True}
-    with pytest.raises(ConfigError) as err:
-        resolve_job(load_config(cfg))
-    assert str(err.value).startswith("train.dpo.precompute_reference = True: expected false for a run from "
-                                     "data.path") and "\n" not in str(err.value)
-
-
 # ---------------------------------------------------------------- rtp validate (no Ray)
 
 

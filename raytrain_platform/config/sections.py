@@ -413,8 +413,9 @@ class DpoConfig:
     its adapters switched off (no second copy). A path: a Hugging Face model folder (`hf` models) with the
     same vocabulary, built and sharded like the policy."""
     precompute_reference: bool = False
-    """The batches carry the reference log-probs (`ref_chosen_logps`, `ref_rejected_logps`), computed in a
-    pass before training: no reference model is built while training."""
+    """One pass before training scores every pair with the reference and keeps the log-probs with the
+    tokenized data (found again by reruns, resumes and sweep trials): no reference model is held while
+    training. See [preference.md](preference.md#precomputed-reference-log-probs)."""
 
     _LOSSES: ClassVar[tuple[str, ...]] = ("sigmoid", "ipo", "hinge")
 

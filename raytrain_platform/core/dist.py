@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "init_torchrun", "all_reduce_sum", "barrier"]
+__all__ = ["DistEnv", "init_torchrun", "all_reduce_sum", "all_gather_objects", "barrier"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_gather_objects(obj: object) -> list:
+    """Every rank's `obj`, in rank order (pickled over the process group: small objects)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:

@@ -29,7 +29,7 @@ from raytrain_platform.core.counted import counted_positions, counted_rows
 from raytrain_platform.core.dist import DistEnv, all_reduce_sum
 from raytrain_platform.core.nonfinite import NonFiniteGuard
 from raytrain_platform.core.optim import build_optimizer, lr_at
-from raytrain_platform.core.preference import PreferenceObjective
+from raytrain_platform.core.preference import PreferenceObjective, policy_is_reference, precompute_reference
 from raytrain_platform.core.profile import StepProfiler
 from raytrain_platform.data.dealing import EVAL_PAD
 from raytrain_platform.models.registry import get_family
@@ -81,6 +81,17 @@ class Engine:
         self.profiler = profiler  # `rtp doctor`'s measured runs (core/profile.py)
         self.family = get_family(self.cfg.model.name)
         self.task = get_task(self.cfg.model.resolved_task, self.cfg.model.name)
+        self.autocast = (torch.autocast(device_type=env.device.type, dtype=torch.bfloat16)
+                         if self.cfg.train.precision == "bf16" else contextlib.nullcontext())
+        t = self.cfg.train
+        # train.dpo.precompute_reference: the reference scores the dataset's pairs before
+        # the policy is built, so the two are never held at once (a LoRA run's reference is
+        # the policy itself: PreferenceObjective scores with its adapters off)
+        table = None
+        if (t.objective == "dpo" and t.dpo.precompute_reference and job.data.prepared
+                and not policy_is_reference(self.cfg)):
+            table = precompute_reference(self.cfg, env, family=self.family, task=self.task,
+                                         prepared=job.data.prepared, autocast=self.autocast)
         built = build_model(self.cfg, env, self.family, resuming=resuming)
         self.wrapped, self.param_counts, self.base = built.wrapped, built.param_counts, built.base
         # Data-parallel coordinates: ranks of one TP/PP group read the same micro-batches.
@@ -89,10 +100,7 @@ class Engine:
         self.optimizer = build_optimizer(self.wrapped.module, self.cfg.train)
         self.state = TrainState()
         self._memory: dict[str, int] | None = None  # measured once, at the first optimizer step
-        self.autocast = (torch.autocast(device_type=env.device.type, dtype=torch.bfloat16)
-                         if self.cfg.train.precision == "bf16" else contextlib.nullcontext())
         self._config_yaml = self.cfg.to_yaml()
-        t = self.cfg.train
         self.nonfinite = NonFiniteGuard(policy=t.on_nonfinite, max_skips=t.max_nonfinite_skips,
                                         run_dir=run_dir or self.cfg.run.run_dir)
         self.step_skipped = False  # the last optimizer step was skipped (train.on_nonfinite)
@@ -106,7 +114,8 @@ class Engine:
         self._aux_count = 0
         # train.objective dpo: pairs of responses, a reference model (core/preference.py)
         self.preference = (PreferenceObjective(self.cfg, env, family=self.family, task=self.task,
-                                               wrapped=self.wrapped, head=self.head, autocast=self.autocast)
+                                               wrapped=self.wrapped, head=self.head, autocast=self.autocast,
+                                               table=table, prepared=job.data.prepared)
                            if t.objective == "dpo" else None)
 
     # ------------------------------------------------------------ state

@@ -3,37 +3,47 @@ micro-batch's loss, and the metrics of a step and of a validation pass. The batc
 contract and the losses are models/preference.py's.
 
 The reference log-probs of a micro-batch come, in this order of preference, from the
-batch itself (``train.dpo.precompute_reference``: `ReferenceScorer` computed them in a
-pass before training), from the policy with its LoRA adapters switched off (``model.lora``
-with ``reference: auto``: no second copy), or from a frozen copy built and sharded like
-the policy (`build_reference`). Each is a forward without gradients over the same
-``[chosen; rejected]`` rows as the policy's, with the output head on the counted
-positions only where the policy's is (``train.logits: counted``).
+batch itself (its ``ref_*_logps``), from the table kept with the data
+(``train.dpo.precompute_reference``: `precompute_reference` scored every pair once, in a
+pass before training; data/ref_logps.py), from the policy with its LoRA adapters
+switched off (``model.lora`` with ``reference: auto``: no second copy), or from a frozen
+copy built and sharded like the policy (`build_reference`). Each is a forward without
+gradients over the same ``[chosen; rejected]`` rows as the policy's, with the output
+head on the counted positions only where the policy's is (``train.logits: counted``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import hashlib
+import json
+import os
+import time
 from collections.abc import Iterator
 from typing import Any, Callable, ContextManager
 
+import numpy as np
 import torch
 
+from raytrain_platform._version import __version__
 from raytrain_platform.config import JobConfig
 from raytrain_platform.core.build import build_reference
 from raytrain_platform.core.counted import counted_positions, counted_rows
-from raytrain_platform.core.dist import DistEnv, all_reduce_sum
+from raytrain_platform.core.dist import DistEnv, all_gather_objects, all_reduce_sum, barrier
 from raytrain_platform.data.dealing import EVAL_PAD
+from raytrain_platform.data.ref_logps import ReferenceLogps, pair_chunks, pair_count, reference_file, write_reference
+from raytrain_platform.errors import DataError
 from raytrain_platform.models.family import ModelFamily
 from raytrain_platform.models.lora import adapters_disabled
 from raytrain_platform.models.preference import (
-    METRICS, PAIR_KEYS, REF_KEYS, dpo_loss, pair_inputs, pair_metrics, pair_sums, sequence_logps)
-from raytrain_platform.models.registry import get_family
+    METRICS, REF_KEYS, dpo_loss, pair_inputs, pair_metrics, pair_sums, sequence_logps)
 from raytrain_platform.models.tasks import Task
 from raytrain_platform.parallel.base import Parallelized
+from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.parallel.memory import local_tensor
 
-__all__ = ["PreferenceObjective", "ReferenceScorer"]
+__all__ = ["PreferenceObjective", "policy_is_reference", "reference_key", "reference_note", "precompute_reference"]
 
 Batch = dict[str, torch.Tensor]
 _SUMS = 2 + len(METRICS)  # pair_sums: loss, pairs, then each metric
@@ -63,21 +73,186 @@ def _as_reference(wrapped: Parallelized) -> Iterator[None]:
         wrapped.module.train(training)
 
 
+def policy_is_reference(cfg: JobConfig) -> bool:
+    """Whether the reference is the policy itself with its adapters off (``model.lora``
+    with ``reference: auto``): no copy is ever built."""
+    return cfg.model.lora is not None and cfg.train.dpo.reference == "auto"
+
+
+class _Reference:
+    """The reference model's forward: a frozen copy (`build_reference`), or the LoRA
+    policy `lora_policy` with its adapters off."""
+
+    def __init__(self, cfg: JobConfig, env: DistEnv, *, family: ModelFamily, task: Task,
+                 head: bool, autocast: ContextManager, lora_policy: Parallelized | None = None):
+        self.task, self.autocast, self.lora_policy = task, autocast, lora_policy
+        self.copy = build_reference(cfg, env, family) if lora_policy is None else None
+        model = self.copy if self.copy is not None else lora_policy
+        assert model is not None
+        self.module = model.module
+        self.head = family.output_head(model.base) if head else None
+
+    def _switch(self) -> ContextManager[None]:
+        """The policy's adapters off while the LoRA reference runs (nothing for a copy)."""
+        return contextlib.nullcontext() if self.lora_policy is None else _as_reference(self.lora_policy)
+
+    @torch.no_grad()
+    def logps(self, inputs: torch.Tensor, targets: torch.Tensor,
+              rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log-probs of the chosen and of the rejected responses, ``(B,)`` each."""
+        with self._switch(), self.autocast:
+            _, logps, _ = _logps(self.module, self.head, self.task, inputs, targets, rows)
+        chosen, rejected = logps.chunk(2)
+        return chosen, rejected
+
+
+def _file_states(paths: list[str]) -> list:
+    return [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns) for p in paths]
+
+
+def reference_key(cfg: JobConfig, family: ModelFamily) -> str:
+    """A hash of what a pair's reference log-probs depend on besides its tokens: the
+    reference's architecture and weights (its files' path, size and modification time;
+    or the seed of a random initialization), the precision and this package's version.
+    A LoRA run's reference with ``auto`` is its base: the same key as without LoRA."""
+    m, ref = cfg.model, cfg.train.dpo.reference
+    kwargs = m.kwargs if ref == "auto" else family.reference_kwargs(m.kwargs, ref)
+    files = family.pretrained_files(kwargs)
+    what = {"model": m.name, "kwargs": kwargs, "files": _file_states(files) if files is not None else None,
+            "seed": cfg.train.seed if files is None else None, "precision": cfg.train.precision,
+            "logits": cfg.train.logits, "version": __version__}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def reference_note(cfg: JobConfig, prepared: str) -> str:
+    """What a precomputing run (``train.dpo.precompute_reference``) will do about its
+    reference, for the driver to say before the workers start (their own lines go to
+    the workers' logs): find the table of the dataset `prepared`, or score its pairs."""
+    from raytrain_platform.models.registry import get_family
+
+    key = reference_key(cfg, get_family(cfg.model.name))
+    found = ReferenceLogps.find(prepared, key)
+    if found is not None:
+        return f"reference log-probs: {len(found)} pairs found in {found.path}; no reference model is built"
+    return (f"reference log-probs: the workers score the {pair_count(prepared, 'train')} train and "
+            f"{pair_count(prepared, 'val')} validation pairs once, before the first step "
+            f"(train.dpo.precompute_reference), into {reference_file(prepared, key)}")
+
+
+def _pair_tensors(chunk: dict[str, np.ndarray], device: torch.device) -> Batch:
+    """A chunk of the dataset's pair rows as the engine's batch (token ids as int64)."""
+    batch = {k: torch.from_numpy(np.array(v)).to(device) for k, v in chunk.items()}  # copied: Arrow's are read-only
+    return {k: v.long() if k.endswith("_tokens") else v for k, v in batch.items()}
+
+
+def _say(env: DistEnv, text: str) -> None:
+    if env.is_rank0:
+        print(f"reference log-probs: {text}", flush=True)
+
+
+def _score(reference: _Reference, cfg: JobConfig, env: DistEnv, prepared: str) -> tuple[np.ndarray, ...]:
+    """This rank's share of every pair's reference log-probs: (sample ids, chosen,
+    rejected). Each data-parallel rank scores a contiguous share of each split, in
+    micro-batches; every rank runs the same number of forwards (a sharded forward is a
+    collective), a rank short of a round re-scoring the split's first micro-batch."""
+    dims = ParallelDims.from_config(cfg)
+    dp, rank, mb = dims.dp, dims.data_rank(env.rank), cfg.data.micro_batch
+    counted = cfg.train.logits == "counted"
+    sizes = {split: pair_count(prepared, split) for split in ("train", "val")}
+    total, done = sum(sizes.values()), 0
+    shown = started = time.monotonic()
+    _say(env, f"scoring {sizes['train']} train and {sizes['val']} validation pairs once "
+              f"(train.dpo.precompute_reference), {dp} data-parallel rank(s)")
+    ids, chosen, rejected = [], [], []
+    for split, n in sizes.items():
+        if not n:
+            continue
+        rounds = -(-(-(-n // mb)) // dp)  # micro-batches per data-parallel rank
+        lo, hi = min(n, rank * rounds * mb), min(n, (rank + 1) * rounds * mb)
+        chunks = pair_chunks(prepared, split, lo, hi, mb)
+        for _ in range(rounds):
+            chunk = next(chunks, None)
+            real = chunk is not None
+            if chunk is None:
+                chunk = next(pair_chunks(prepared, split, 0, min(n, mb), mb))
+            inputs, targets = pair_inputs(_pair_tensors(chunk, env.device))
+            c, r = reference.logps(inputs, targets, counted_rows(targets) if counted else None)
+            if real:
+                ids.append(chunk["sample_id"])
+                chosen.append(c.float().cpu().numpy())
+                rejected.append(r.float().cpu().numpy())
+            done += len(chunk["sample_id"]) * dp if real else 0
+            if env.is_rank0 and time.monotonic() - shown > 10:
+                shown = time.monotonic()
+                _say(env, f"{min(done, total)}/{total} pairs, {time.monotonic() - started:.0f} s")
+    if not ids:
+        return np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32)
+    return tuple(np.concatenate(a) for a in (ids, chosen, rejected))
+
+
+def precompute_reference(cfg: JobConfig, env: DistEnv, *, family: ModelFamily, task: Task, prepared: str,
+                         autocast: ContextManager, lora_policy: Parallelized | None = None) -> ReferenceLogps:
+    """The reference log-probs of every pair of the dataset `prepared`
+    (``train.dpo.precompute_reference``): the table kept with it where one was written
+    for this reference (`reference_key`), else one pass that builds the reference (or
+    switches off `lora_policy`'s adapters), scores every pair on every rank's share,
+    writes the table (rank 0) and lets the reference go. Called on every rank."""
+    key = reference_key(cfg, family)
+    found = ReferenceLogps.find(prepared, key)
+    # every rank must agree on the pass (its forwards are collectives)
+    if all(all_gather_objects(found is not None)):
+        assert found is not None
+        _say(env, f"{len(found)} pairs found in {found.path}")
+        return found
+    started = time.monotonic()
+    reference = _Reference(cfg, env, family=family, task=task, head=cfg.train.logits == "counted",
+                           autocast=autocast, lora_policy=lora_policy)
+    mine = _score(reference, cfg, env, prepared)
+    del reference
+    gc.collect()
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+    parts = all_gather_objects(mine)
+    if env.is_rank0:
+        # ranks of one tensor-parallel group scored the same pairs
+        ids, first = np.unique(np.concatenate([p[0] for p in parts]), return_index=True)
+        values = [np.concatenate([p[i] for p in parts])[first] for i in (1, 2)]
+        expected = pair_count(prepared, "train") + pair_count(prepared, "val")
+        assert len(ids) == expected, f"scored {len(ids)} of {expected} pairs"
+        path = write_reference(prepared, key, ids, *values)
+        _say(env, f"{len(ids)} pairs scored in {time.monotonic() - started:.0f} s, kept in {path}")
+    barrier()
+    table = ReferenceLogps.find(prepared, key)
+    if table is None:
+        raise DataError(f"rank {env.rank} cannot read the reference log-probs rank 0 wrote in {prepared}: "
+                        "data.cache_path must be storage every node reads")
+    return table
+
+
 class PreferenceObjective:
     """DPO on the engine's policy `wrapped`: `loss_sum` per micro-batch, its metrics
     summed until `window_metrics` reports them, `eval_sums` for validation. `head` is the
-    policy's output head to run on counted positions only (None: every position)."""
+    policy's output head to run on counted positions only (None: every position).
+
+    With ``precompute_reference``, the log-probs come from `table` (`precompute_reference`'s,
+    found or computed before the policy was built), or from each batch where there is no
+    table; a LoRA run with ``reference: auto`` computes its table here, with the policy's
+    adapters off, where `prepared` (the tokenized dataset) is given and `table` is not."""
 
     def __init__(self, cfg: JobConfig, env: DistEnv, *, family: ModelFamily, task: Task, wrapped: Parallelized,
-                 head: torch.nn.Module | None, autocast: ContextManager):
+                 head: torch.nn.Module | None, autocast: ContextManager, table: ReferenceLogps | None = None,
+                 prepared: str | None = None):
         self.dpo, self.env, self.task, self.wrapped, self.head = cfg.train.dpo, env, task, wrapped, head
         self.autocast = autocast
-        lora_base = cfg.model.lora is not None and self.dpo.reference == "auto"
-        self.reference: Parallelized | None = None
-        if not self.dpo.precompute_reference and not lora_base:
-            self.reference = build_reference(cfg, env, family)
-        self.ref_head = (family.output_head(self.reference.base)
-                         if self.reference is not None and head is not None else None)
+        lora_base = policy_is_reference(cfg)
+        self.table, self.reference = table, None
+        if self.dpo.precompute_reference:
+            if table is None and prepared is not None:
+                self.table = precompute_reference(cfg, env, family=family, task=task, prepared=prepared,
+                                                  autocast=autocast, lora_policy=wrapped if lora_base else None)
+        else:
+            self.reference = _Reference(cfg, env, family=family, task=task, head=head is not None,
+                                        autocast=autocast, lora_policy=wrapped if lora_base else None)
         self._sums = torch.zeros(_SUMS, device=env.device)  # since the last report
 
     @staticmethod
@@ -90,21 +265,19 @@ class PreferenceObjective:
         """Tokens one pair puts through the forward (what tokens/s counts)."""
         return 2 * (batch["chosen_tokens"].shape[1] - 1)
 
-    @torch.no_grad()
     def reference_logps(self, batch: Batch, inputs: torch.Tensor, targets: torch.Tensor,
                         rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's log-probs of the chosen and of the rejected responses, ``(B,)`` each."""
-        if self.dpo.precompute_reference:
+        if REF_KEYS[0] in batch:
             return batch[REF_KEYS[0]].float(), batch[REF_KEYS[1]].float()
-        switch: ContextManager[None]
-        if self.reference is not None:
-            module, head, switch = self.reference.module, self.ref_head, contextlib.nullcontext()
-        else:  # LoRA: the policy itself, its adapters off and without dropout, as the frozen copy
-            module, head, switch = self.wrapped.module, self.head, _as_reference(self.wrapped)
-        with switch, self.autocast:
-            _, logps, _ = _logps(module, head, self.task, inputs, targets, rows)
-        chosen, rejected = logps.chunk(2)
-        return chosen, rejected
+        if self.table is not None:
+            chosen, rejected = self.table.lookup(batch["sample_id"].cpu().numpy())
+            return (torch.from_numpy(chosen).to(inputs.device).float(),
+                    torch.from_numpy(rejected).to(inputs.device).float())
+        if self.reference is None:
+            raise KeyError(f"a precomputing run's batches carry {', '.join(REF_KEYS)} (train.dpo.precompute_reference "
+                           "without a tokenized dataset to score)")
+        return self.reference.logps(inputs, targets, rows)
 
     def loss_sum(self, batch: Batch, rows: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
         """The micro-batch's summed pair losses (to scale and backward) and the policy's
@@ -148,10 +321,10 @@ class PreferenceObjective:
         return pair_metrics(all_reduce_sum(sums.to(self.env.device)).cpu(), "val_")
 
     def memory(self) -> dict[str, int]:
-        """This rank's bytes of the reference model's parameters (its shards), when one is held."""
-        if self.reference is None:
+        """This rank's bytes of the reference model's parameters (its shards), when a copy is held."""
+        if self.reference is None or self.reference.copy is None:
             return {}
-        return {"ref_param_bytes": sum(local_tensor(p).nbytes for p in self.reference.module.parameters())}
+        return {"ref_param_bytes": sum(local_tensor(p).nbytes for p in self.reference.copy.module.parameters())}
 
     def window_metrics(self) -> dict[str, float]:
         """The rewards and log-probs since the last report, means over every rank's pairs
@@ -161,33 +334,3 @@ class PreferenceObjective:
         metrics = pair_metrics(sums)
         del metrics["loss"]  # the engine's loss is the same mean, from the step's own all-reduce
         return metrics
-
-
-class ReferenceScorer:
-    """The reference log-probs of DPO batches, for a pass before training that stores them
-    with the data (``train.dpo.precompute_reference``; TRL's ``precompute_ref_log_probs``).
-    Builds the reference as a run with that config would (`build_reference`: ``reference``
-    auto or a folder; with LoRA, auto is the base model), sharded by the config's layout.
-    Every rank of the job calls `logps` with its own batches, the same number of times
-    (a sharded forward is collective)."""
-
-    def __init__(self, cfg: JobConfig, env: DistEnv):
-        family = get_family(cfg.model.name)
-        self.task = Task(cfg.model.resolved_task, cfg.model.name)
-        self.reference = build_reference(cfg, env, family)
-        counted = cfg.train.logits == "counted"
-        self.head = family.output_head(self.reference.base) if counted else None
-        self.device = env.device
-        self.autocast = (torch.autocast(device_type=env.device.type, dtype=torch.bfloat16)
-                         if cfg.train.precision == "bf16" else contextlib.nullcontext())
-
-    @torch.no_grad()
-    def logps(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """``{"ref_chosen_logps", "ref_rejected_logps"}``: float32 ``(B,)`` on the CPU, for
-        `batch` (the pair keys of the contract, on any device)."""
-        inputs, targets = pair_inputs({k: batch[k].to(self.device) for k in PAIR_KEYS})
-        rows = counted_rows(targets) if self.head is not None else None
-        with self.autocast:
-            _, logps, _ = _logps(self.reference.module, self.head, self.task, inputs, targets, rows)
-        chosen, rejected = logps.float().cpu().chunk(2)
-        return {REF_KEYS[0]: chosen, REF_KEYS[1]: rejected}

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 __all__ = ["SCHEME", "MANIFEST", "Manifest", "dataset_key", "dataset_dir", "find_manifest", "load_manifest", "check_cache_root",
-           "WindowWriter", "read_windows", "read_range", "join"]
+           "WindowWriter", "read_windows", "iter_range", "read_range", "join"]
 
 SCHEME = 1  # the layout and window rules; part of the key
 MANIFEST = "manifest.json"
@@ -254,13 +254,13 @@ def read_windows(manifest: Manifest, piece: int, split: str, rows: int) -> Itera
                         "it again") from None
 
 
-def read_range(manifest: Manifest, split: str, start: int, count: int) -> dict[str, np.ndarray]:
+def iter_range(manifest: Manifest, split: str, start: int, count: int) -> Iterator[dict[str, np.ndarray]]:
     """Windows ``start`` to ``start + count`` (exclusive) of the whole `split`, its
-    pieces in order (``0 <= start``, ``start + count <= manifest.windows[split]``):
-    what a mixture draws from a source, read from the row groups that hold them."""
+    pieces in order, one row group's share at a time (``0 <= start``, ``start + count <=
+    manifest.windows[split]``): only the row groups that hold them are read."""
     import pyarrow.parquet as pq
 
-    parts, first = [], 0
+    first = 0
     for piece in manifest.pieces(split):
         n = manifest.content["pieces"][piece][split]
         lo, hi = max(start, first), min(start + count, first + n)
@@ -275,11 +275,16 @@ def read_range(manifest: Manifest, split: str, start: int, count: int) -> dict[s
                     a, b = max(lo - first, row), min(hi - first, row + rows)
                     if a < b:
                         group = _numpy(reader.read_row_group(g))
-                        parts.append({k: v[a - row:b - row] for k, v in group.items()})
+                        yield {k: v[a - row:b - row] for k, v in group.items()}
                     row += rows
         first += n
         if first >= start + count:
             break
+
+
+def read_range(manifest: Manifest, split: str, start: int, count: int) -> dict[str, np.ndarray]:
+    """`iter_range`'s windows as one batch: what a mixture draws from a source."""
+    parts = list(iter_range(manifest, split, start, count))
     if not parts:
         raise ValueError(f"windows {start}..{start + count} of {split} are not in {manifest.dir}")
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
