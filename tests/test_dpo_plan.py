@@ -158,6 +158,27 @@ def test_rtp_plan_of_a_dpo_config_plans_its_reference(dpo_job, tmp_path, capsys,
     assert held and all(h == (reference == "copy") for h in held)
 
 
+def test_rtp_plan_says_what_precomputed_log_probs_save(dpo_job, tmp_path, capsys):
+    """The text plan of a precomputing run names the bytes of the reference copy it does
+    not hold, which the same run with a copy counts in 'other'."""
+    import yaml
+
+    from raytrain_platform.cli import main
+
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(dpo_job))
+    plans = {}
+    for flag in ("false", "true"):
+        assert main(["plan", str(path), "--device-mem", "1GiB", "--set",
+                     f"train.dpo.precompute_reference={flag}"]) == 0
+        plans[flag] = capsys.readouterr().out
+    params = int(plans["true"].split(" parameters")[0].rsplit(" ", 1)[1].replace(",", ""))
+    saved = f"{4 * params / 2**10:.1f}K"  # the tiny model's fp32 weights: under a MiB
+    assert (f"reference model: none (log-probs precomputed: saves a frozen copy's {saved} of fp32 weights"
+            in plans["true"]), plans["true"]
+    assert "a frozen copy sharded like the policy (its weights in 'other')" in plans["false"]
+
+
 def test_an_auto_batch_of_a_dpo_run_fits_its_pairs_and_reference(dpo_job):
     """``data.batch_size: auto`` of a DPO run: the largest micro-batch of pairs whose DPO
     estimate (two sequences a pair, the reference copy) fits, smaller than SFT's."""

@@ -305,7 +305,8 @@ def format_plan(plan: Plan) -> str:
     if req.dpo_reference is not None:
         ref = ("none (its base, adapters disabled)" if req.lora is not None else
                "a frozen copy sharded like the policy (its weights in 'other')" if req.dpo_reference == "copy"
-               else "none (log-probs precomputed)")
+               else f"none (log-probs precomputed: saves a frozen copy's {_fmt(4 * m.num_params)} of fp32 "
+                    "weights, divided over the devices as the policy's)")
         lines.insert(2, f"DPO: each sample a pair, chosen and rejected in one forward; reference model: {ref}")
     if m.num_experts:
         lines.insert(1, f"experts: {m.expert_params:,} parameters in {m.num_experts} routed experts per layer, "
