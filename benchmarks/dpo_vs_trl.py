@@ -79,7 +79,7 @@ def trl_run(llm: dict[str, Path], processes: int, size: dict, work: Path, name: 
 
 def platform_available() -> bool:
     """Whether this checkout's config has ``train.objective`` (issue 49's training side)."""
-    from raytrain_platform.config.sections import TrainConfig
+    from raytrain_platform.config.train_section import TrainConfig
 
     return "objective" in {f.name for f in fields(TrainConfig)}
 

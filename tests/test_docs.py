@@ -25,7 +25,7 @@ def test_the_configuration_page_is_the_generators_output():
 
 
 def test_every_config_field_has_a_docstring():
-    assert undocumented() == [], "document each field with a string right below it in config/sections.py"
+    assert undocumented() == [], "document each field with a string right below it (config/*_section.py, sections.py)"
 
 
 def test_field_docs_reads_only_the_string_below_a_field():

@@ -13,7 +13,8 @@ import yaml
 
 from raytrain_platform.cli import main as rtp
 from raytrain_platform.config import load_config
-from raytrain_platform.config.sections import MAX_MIX_SOURCES, DataConfig
+from raytrain_platform.config.data_section import DataConfig
+from raytrain_platform.config.fields import MAX_MIX_SOURCES
 from raytrain_platform.data.mixture import (
     MAX_PIECES, MAX_SOURCES, SOURCE_SHIFT, check_pieces, draws, local_id, mark_source, mixture_windows, plan,
     position_range, read_arrays, source_of, validation_windows)

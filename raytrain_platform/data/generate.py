@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raytrain_platform.config.sections import MAX_SYNTHETIC, SEED_ALLOWED, SEED_LIMIT
+from raytrain_platform.config.fields import MAX_SYNTHETIC, SEED_ALLOWED, SEED_LIMIT
 from raytrain_platform.data.raw import synthetic_rows
 from raytrain_platform.data.specs import SourceSpec
 from raytrain_platform.errors import PATH_ERRNOS, ConfigError, folder_problem

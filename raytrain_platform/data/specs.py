@@ -17,7 +17,7 @@ from raytrain_platform.errors import ConfigError
 
 if TYPE_CHECKING:
     from raytrain_platform.config import JobConfig
-    from raytrain_platform.config.sections import DataConfig
+    from raytrain_platform.config.data_section import DataConfig
 
 __all__ = ["FORMATS", "PACKINGS", "TOKENIZED_KINDS", "RecordFields", "RecordSpec", "record_fields", "SourceSpec",
            "TokenSpec", "DataInfo", "split_by_file"]

@@ -111,7 +111,7 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
         ipo_delta = chosen_ratio / chosen_counts.clamp(min=1.0) - rejected_ratio / rejected_counts.clamp(min=1.0)
         losses = (ipo_delta - 1 / (2 * beta)) ** 2
     else:
-        raise ValueError(f"unknown DPO loss {loss!r}")  # config/sections.py checks train.dpo.loss
+        raise ValueError(f"unknown DPO loss {loss!r}")  # config/train_section.py checks train.dpo.loss
     return PairLosses(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
 
 
