@@ -164,6 +164,28 @@ def test_console_progress_through_a_resume_prints_each_rerun_step(tmp_path):
     assert shown() == [(s, "loss 0.5000") for s in range(11, 15)]
 
 
+def test_the_driver_echoes_new_notes_whole_lines_only(tmp_path):
+    """notes.log (rank 0's lines about work outside the steps): what an earlier attempt
+    wrote is not echoed again, a new line is, once, and a line still being written waits."""
+    from raytrain_platform.core.rundir import NOTES_FILE, append_note
+    from raytrain_platform.launch.progress import progress_poller
+
+    append_note(tmp_path, "an earlier attempt's line")
+    lines: list[str] = []
+    poll = progress_poller(tmp_path, 4, lines.append)
+    poll()
+    append_note(tmp_path, "reference log-probs: scoring\n96 pairs")  # one line, whatever it holds
+    with open(tmp_path / NOTES_FILE, "a") as f:
+        f.write("half a li")
+    poll()
+    assert lines == ["reference log-probs: scoring 96 pairs"]
+    with open(tmp_path / NOTES_FILE, "a") as f:
+        f.write("ne\n")
+    poll()
+    poll()
+    assert lines == ["reference log-probs: scoring 96 pairs", "half a line"]
+
+
 def test_relative_store_paths_are_the_drivers(tmp_path, monkeypatch):
     """Rank 0 runs in another working directory: a relative store, plain path or file:
     URI, is resolved against the driver's."""

@@ -91,7 +91,7 @@ class Engine:
         if (t.objective == "dpo" and t.dpo.precompute_reference and job.data.prepared
                 and not policy_is_reference(self.cfg)):
             table = precompute_reference(self.cfg, env, family=self.family, task=self.task,
-                                         prepared=job.data.prepared, autocast=self.autocast)
+                                         prepared=job.data.prepared, autocast=self.autocast, notes=run_dir)
         built = build_model(self.cfg, env, self.family, resuming=resuming)
         self.wrapped, self.param_counts, self.base = built.wrapped, built.param_counts, built.base
         # Data-parallel coordinates: ranks of one TP/PP group read the same micro-batches.
@@ -115,7 +115,7 @@ class Engine:
         # train.objective dpo: pairs of responses, a reference model (core/preference.py)
         self.preference = (PreferenceObjective(self.cfg, env, family=self.family, task=self.task,
                                                wrapped=self.wrapped, head=self.head, autocast=self.autocast,
-                                               table=table, prepared=job.data.prepared)
+                                               table=table, prepared=job.data.prepared, notes=run_dir)
                            if t.objective == "dpo" else None)
 
     # ------------------------------------------------------------ state

@@ -31,8 +31,9 @@ from raytrain_platform.config import JobConfig
 from raytrain_platform.core.build import build_reference
 from raytrain_platform.core.counted import counted_positions, counted_rows
 from raytrain_platform.core.dist import DistEnv, all_gather_objects, all_reduce_sum, barrier
+from raytrain_platform.core.rundir import append_note
 from raytrain_platform.data.dealing import EVAL_PAD
-from raytrain_platform.data.ref_logps import ReferenceLogps, pair_chunks, pair_count, reference_file, write_reference
+from raytrain_platform.data.ref_logps import ReferenceLogps, pair_chunks, pair_count, write_reference
 from raytrain_platform.errors import DataError
 from raytrain_platform.models.family import ModelFamily
 from raytrain_platform.models.lora import adapters_disabled
@@ -43,7 +44,7 @@ from raytrain_platform.parallel.base import Parallelized
 from raytrain_platform.parallel.dims import ParallelDims
 from raytrain_platform.parallel.memory import local_tensor
 
-__all__ = ["PreferenceObjective", "policy_is_reference", "reference_key", "reference_note", "precompute_reference"]
+__all__ = ["PreferenceObjective", "policy_is_reference", "reference_key", "precompute_reference"]
 
 Batch = dict[str, torch.Tensor]
 _SUMS = 2 + len(METRICS)  # pair_sums: loss, pairs, then each metric
@@ -124,33 +125,24 @@ def reference_key(cfg: JobConfig, family: ModelFamily) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def reference_note(cfg: JobConfig, prepared: str) -> str:
-    """What a precomputing run (``train.dpo.precompute_reference``) will do about its
-    reference, for the driver to say before the workers start (their own lines go to
-    the workers' logs): find the table of the dataset `prepared`, or score its pairs."""
-    from raytrain_platform.models.registry import get_family
-
-    key = reference_key(cfg, get_family(cfg.model.name))
-    found = ReferenceLogps.find(prepared, key)
-    if found is not None:
-        return f"reference log-probs: {len(found)} pairs found in {found.path}; no reference model is built"
-    return (f"reference log-probs: the workers score the {pair_count(prepared, 'train')} train and "
-            f"{pair_count(prepared, 'val')} validation pairs once, before the first step "
-            f"(train.dpo.precompute_reference), into {reference_file(prepared, key)}")
-
-
 def _pair_tensors(chunk: dict[str, np.ndarray], device: torch.device) -> Batch:
     """A chunk of the dataset's pair rows as the engine's batch (token ids as int64)."""
     batch = {k: torch.from_numpy(np.array(v)).to(device) for k, v in chunk.items()}  # copied: Arrow's are read-only
     return {k: v.long() if k.endswith("_tokens") else v for k, v in batch.items()}
 
 
-def _say(env: DistEnv, text: str) -> None:
+def _say(env: DistEnv, text: str, notes: str | None) -> None:
+    """Rank 0's line about the pass: printed, and added to the run directory's notes.log
+    (`notes`), which `rtp train`'s driver echoes (a Ray worker's stdout reaches it only
+    with --verbose)."""
     if env.is_rank0:
         print(f"reference log-probs: {text}", flush=True)
+        if notes:
+            append_note(notes, f"reference log-probs: {text}")
 
 
-def _score(reference: _Reference, cfg: JobConfig, env: DistEnv, prepared: str) -> tuple[np.ndarray, ...]:
+def _score(reference: _Reference, cfg: JobConfig, env: DistEnv, prepared: str,
+           notes: str | None) -> tuple[np.ndarray, ...]:
     """This rank's share of every pair's reference log-probs: (sample ids, chosen,
     rejected). Each data-parallel rank scores a contiguous share of each split, in
     micro-batches; every rank runs the same number of forwards (a sharded forward is a
@@ -162,7 +154,7 @@ def _score(reference: _Reference, cfg: JobConfig, env: DistEnv, prepared: str) -
     total, done = sum(sizes.values()), 0
     shown = started = time.monotonic()
     _say(env, f"scoring {sizes['train']} train and {sizes['val']} validation pairs once "
-              f"(train.dpo.precompute_reference), {dp} data-parallel rank(s)")
+              f"(train.dpo.precompute_reference), {dp} data-parallel rank(s)", notes)
     ids, chosen, rejected = [], [], []
     for split, n in sizes.items():
         if not n:
@@ -184,30 +176,32 @@ def _score(reference: _Reference, cfg: JobConfig, env: DistEnv, prepared: str) -
             done += len(chunk["sample_id"]) * dp if real else 0
             if env.is_rank0 and time.monotonic() - shown > 10:
                 shown = time.monotonic()
-                _say(env, f"{min(done, total)}/{total} pairs, {time.monotonic() - started:.0f} s")
+                _say(env, f"{min(done, total)}/{total} pairs, {time.monotonic() - started:.0f} s", notes)
     if not ids:
         return np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32)
     return tuple(np.concatenate(a) for a in (ids, chosen, rejected))
 
 
 def precompute_reference(cfg: JobConfig, env: DistEnv, *, family: ModelFamily, task: Task, prepared: str,
-                         autocast: ContextManager, lora_policy: Parallelized | None = None) -> ReferenceLogps:
+                         autocast: ContextManager, lora_policy: Parallelized | None = None,
+                         notes: str | None = None) -> ReferenceLogps:
     """The reference log-probs of every pair of the dataset `prepared`
     (``train.dpo.precompute_reference``): the table kept with it where one was written
     for this reference (`reference_key`), else one pass that builds the reference (or
     switches off `lora_policy`'s adapters), scores every pair on every rank's share,
-    writes the table (rank 0) and lets the reference go. Called on every rank."""
+    writes the table (rank 0) and lets the reference go. Called on every rank; rank 0's
+    lines also go to the run directory `notes` (`_say`)."""
     key = reference_key(cfg, family)
     found = ReferenceLogps.find(prepared, key)
     # every rank must agree on the pass (its forwards are collectives)
     if all(all_gather_objects(found is not None)):
         assert found is not None
-        _say(env, f"{len(found)} pairs found in {found.path}")
+        _say(env, f"{len(found)} pairs found in {found.path}; no reference model is built", notes)
         return found
     started = time.monotonic()
     reference = _Reference(cfg, env, family=family, task=task, head=cfg.train.logits == "counted",
                            autocast=autocast, lora_policy=lora_policy)
-    mine = _score(reference, cfg, env, prepared)
+    mine = _score(reference, cfg, env, prepared, notes)
     del reference
     gc.collect()
     if env.device.type == "cuda":
@@ -220,7 +214,7 @@ def precompute_reference(cfg: JobConfig, env: DistEnv, *, family: ModelFamily, t
         expected = pair_count(prepared, "train") + pair_count(prepared, "val")
         assert len(ids) == expected, f"scored {len(ids)} of {expected} pairs"
         path = write_reference(prepared, key, ids, *values)
-        _say(env, f"{len(ids)} pairs scored in {time.monotonic() - started:.0f} s, kept in {path}")
+        _say(env, f"{len(ids)} pairs scored in {time.monotonic() - started:.0f} s, kept in {path}", notes)
     barrier()
     table = ReferenceLogps.find(prepared, key)
     if table is None:
@@ -241,7 +235,7 @@ class PreferenceObjective:
 
     def __init__(self, cfg: JobConfig, env: DistEnv, *, family: ModelFamily, task: Task, wrapped: Parallelized,
                  head: torch.nn.Module | None, autocast: ContextManager, table: ReferenceLogps | None = None,
-                 prepared: str | None = None):
+                 prepared: str | None = None, notes: str | None = None):
         self.dpo, self.env, self.task, self.wrapped, self.head = cfg.train.dpo, env, task, wrapped, head
         self.autocast = autocast
         lora_base = policy_is_reference(cfg)
@@ -249,7 +243,8 @@ class PreferenceObjective:
         if self.dpo.precompute_reference:
             if table is None and prepared is not None:
                 self.table = precompute_reference(cfg, env, family=family, task=task, prepared=prepared,
-                                                  autocast=autocast, lora_policy=wrapped if lora_base else None)
+                                                  autocast=autocast, lora_policy=wrapped if lora_base else None,
+                                                  notes=notes)
         else:
             self.reference = _Reference(cfg, env, family=family, task=task, head=head is not None,
                                         autocast=autocast, lora_policy=wrapped if lora_base else None)

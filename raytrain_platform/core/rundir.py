@@ -6,6 +6,7 @@
         summary.json        final metrics, wall time, best checkpoint
         plot.png            loss and throughput
         tracking.json       the MLflow run id and store (run.tracking: mlflow)
+        notes.log           what rank 0 says during a run besides metrics (the driver echoes it)
         events.out.tfevents.*  TensorBoard scalars (run.tracking: tensorboard)
         checkpoint_000050/  model.safetensors, optimizer.pt, trainer_state.json, config.yaml
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 __all__ = [
-    "CONFIG_FILE", "METRICS_FILE", "SUMMARY_FILE", "PLOT_FILE", "TRACKING_FILE",
+    "CONFIG_FILE", "METRICS_FILE", "SUMMARY_FILE", "PLOT_FILE", "TRACKING_FILE", "NOTES_FILE", "append_note",
     "MetricsLog", "read_metrics", "list_checkpoints", "prune_checkpoints", "latest_checkpoint", "best_checkpoint",
     "newest_finite_checkpoint", "check_storage",
     "write_json", "checkpoint_name",
@@ -34,6 +35,7 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "plot.png"
 TRACKING_FILE = "tracking.json"
+NOTES_FILE = "notes.log"
 STATE_FILE = "trainer_state.json"
 _CKPT = re.compile(r"^checkpoint_(\d+)$")
 
@@ -99,6 +101,15 @@ class MetricsLog:
             f.flush()
         if self.on_append is not None:
             self.on_append(metrics)
+
+
+def append_note(run_dir: str | os.PathLike, text: str) -> None:
+    """Append one line to the run directory's notes.log: what a worker says about long work
+    outside the steps (the driver echoes new lines: launch/progress.py)."""
+    path = Path(run_dir) / NOTES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(" ".join(text.split("\n")) + "\n")
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:

@@ -1,5 +1,6 @@
 """Progress lines on the driver: each report a worker writes to metrics.jsonl, echoed
-while the job trains (restarted workers' rewrites included)."""
+while the job trains (restarted workers' rewrites included), and the lines rank 0 adds
+to notes.log (long work outside the steps, such as DPO's reference pass)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from raytrain_platform.core.rundir import METRICS_FILE, read_metrics
+from raytrain_platform.core.rundir import METRICS_FILE, NOTES_FILE, read_metrics
 
 __all__ = ["format_progress", "progress_poller", "tail_progress"]
 
@@ -40,9 +41,33 @@ def _inode(path: Path) -> int | None:
         return None
 
 
+def _notes_reader(run_dir: Path) -> Callable[[], list[str]]:
+    """Each call returns the whole lines added to notes.log since the last (those already
+    there when the reader is made, an earlier attempt's, are skipped)."""
+    path = run_dir / NOTES_FILE
+    try:
+        offset = path.stat().st_size
+    except OSError:
+        offset = 0
+
+    def read() -> list[str]:
+        nonlocal offset
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                added = f.read()
+        except OSError:
+            return []
+        whole = added[:added.rfind(b"\n") + 1]  # a line still being written waits
+        offset += len(whole)
+        return whole.decode(errors="replace").splitlines()
+
+    return read
+
+
 def progress_poller(run_dir: Path, total: int, emit: Callable[[str], None],
                      resume_step: int = 0) -> Callable[[], None]:
-    """Each call echoes metrics.jsonl's new reports. A (re)started worker rewrites the
+    """Each call echoes notes.log's new lines, then metrics.jsonl's new reports. A (re)started worker rewrites the
     file without the lines past its checkpoint (core/rundir.py `MetricsLog`, a new file)
     and logs those steps again: what follows the lines the file still shares with the
     last read is printed. The lines an earlier attempt left past `resume_step` are never
@@ -51,9 +76,12 @@ def progress_poller(run_dir: Path, total: int, emit: Callable[[str], None],
     path = run_dir / METRICS_FILE
     stale_file = _inode(path)  # a first attempt killed before its first checkpoint left lines too
     shown = [m for m in read_metrics(run_dir) if m.get("step", 0) <= resume_step]
+    notes = _notes_reader(run_dir)
 
     def poll() -> None:
         nonlocal stale_file, shown
+        for line in notes():
+            emit(line)
         inode = _inode(path)  # before the read: a read after the rewrite sees the new file
         rows = read_metrics(run_dir)
         if inode == stale_file:  # not rewritten yet

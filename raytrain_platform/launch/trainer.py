@@ -168,10 +168,6 @@ def run_job(job: ResolvedJob, *, emit: Callable[[str], None], callbacks: Sequenc
         warning = split_changed_warning(resumed, state, cfg)
         if warning:
             print(warning, file=sys.stderr, flush=True)
-    if cfg.train.objective == "dpo" and cfg.train.dpo.precompute_reference and job.data.prepared:
-        from raytrain_platform.core.preference import reference_note
-
-        emit(reference_note(cfg, job.data.prepared))
     tracked = open_training_run(cfg, state_file=run_dir / TRACKING_FILE, sweep_trial=sweep_trial)
     if tracked.active:
         emit(f"mlflow: run {tracked.run_id} in {tracked.uri}")
