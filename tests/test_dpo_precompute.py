@@ -164,6 +164,33 @@ def test_a_lora_run_scores_with_its_adapters_off(tiny, scored, tmp_path):
     np.testing.assert_allclose(ours.rejected, theirs.rejected, rtol=LOGPS_RTOL, atol=LOGPS_ATOL)
 
 
+def test_the_key_follows_the_reference_not_the_layout(tiny, tmp_path):
+    """One key for the same reference (LoRA's base included, any layout); another for
+    another precision, head mode or reference folder, or once the folder's files change."""
+    from raytrain_platform.core.preference import reference_key
+    from raytrain_platform.models.registry import get_family
+    from raytrain_platform.tools.tiny_llm import make_model
+
+    def key(**sections) -> str:
+        job = load_config(pairs_config(tmp_path, tiny, "k", **sections))
+        return reference_key(job, get_family(job.model.name))
+
+    base = key()
+    assert key(model={"lora": {"r": 4}}) == key(parallel={"strategy": "fsdp"}, scaling={"num_workers": 2}) == base
+    other = make_model(tmp_path / "other", vocab_size=512)
+    changed = [key(train={"precision": "bf16"}), key(train={"logits": "all"}),
+               key(train={"dpo": {"precompute_reference": True, "reference": str(other)}})]
+    assert len({base, *changed}) == 4
+    config = Path(tiny["model"]) / "config.json"
+    stat = config.stat()
+    try:
+        os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        assert key() != base
+    finally:
+        os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert key() == base
+
+
 def test_a_table_of_other_pairs_is_one_line(tiny, scored, tmp_path):
     """A table that lacks a batch's pair names the file and what to do."""
     from raytrain_platform.errors import DataError

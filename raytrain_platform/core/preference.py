@@ -113,15 +113,20 @@ def _file_states(paths: list[str]) -> list:
 
 def reference_key(cfg: JobConfig, family: ModelFamily) -> str:
     """A hash of what a pair's reference log-probs depend on besides its tokens: the
-    reference's architecture and weights (its files' path, size and modification time;
-    or the seed of a random initialization), the precision and this package's version.
-    A LoRA run's reference with ``auto`` is its base: the same key as without LoRA."""
+    reference's architecture and weights (its files' path, size and modification time,
+    its folder's config.json; or the seed of a random initialization), the precision
+    (``train.precision``, FSDP's ``parallel.mixed_precision``), ``train.logits`` and this
+    package's version. A LoRA run's reference with ``auto`` is its base: the same key as
+    without LoRA."""
     m, ref = cfg.model, cfg.train.dpo.reference
     kwargs = m.kwargs if ref == "auto" else family.reference_kwargs(m.kwargs, ref)
     files = family.pretrained_files(kwargs)
+    folder = kwargs.get("path")
+    config = os.path.join(folder, "config.json") if isinstance(folder, str) else None
     what = {"model": m.name, "kwargs": kwargs, "files": _file_states(files) if files is not None else None,
+            "config": _file_states([config]) if config and os.path.isfile(config) else None,
             "seed": cfg.train.seed if files is None else None, "precision": cfg.train.precision,
-            "logits": cfg.train.logits, "version": __version__}
+            "mixed_precision": cfg.parallel.mixed_precision, "logits": cfg.train.logits, "version": __version__}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -161,12 +166,13 @@ def _score(reference: _Reference, cfg: JobConfig, env: DistEnv, prepared: str,
             continue
         rounds = -(-(-(-n // mb)) // dp)  # micro-batches per data-parallel rank
         lo, hi = min(n, rank * rounds * mb), min(n, (rank + 1) * rounds * mb)
-        chunks = pair_chunks(prepared, split, lo, hi, mb)
+        chunks, pad = pair_chunks(prepared, split, lo, hi, mb), None
         for _ in range(rounds):
             chunk = next(chunks, None)
             real = chunk is not None
             if chunk is None:
-                chunk = next(pair_chunks(prepared, split, 0, min(n, mb), mb))
+                pad = pad if pad is not None else next(pair_chunks(prepared, split, 0, min(n, mb), mb))
+                chunk = pad
             inputs, targets = pair_inputs(_pair_tensors(chunk, env.device))
             c, r = reference.logps(inputs, targets, counted_rows(targets) if counted else None)
             if real:
@@ -191,7 +197,8 @@ def precompute_reference(cfg: JobConfig, env: DistEnv, *, family: ModelFamily, t
     switches off `lora_policy`'s adapters), scores every pair on every rank's share,
     writes the table (rank 0) and lets the reference go. Called on every rank; rank 0's
     lines also go to the run directory `notes` (`_say`)."""
-    key = reference_key(cfg, family)
+    # rank 0's key for every rank: nodes with their own copy of the weights see other mtimes
+    key = all_gather_objects(reference_key(cfg, family))[0]
     found = ReferenceLogps.find(prepared, key)
     # every rank must agree on the pass (its forwards are collectives)
     if all(all_gather_objects(found is not None)):
@@ -206,20 +213,25 @@ def precompute_reference(cfg: JobConfig, env: DistEnv, *, family: ModelFamily, t
     gc.collect()
     if env.device.type == "cuda":
         torch.cuda.empty_cache()
-    parts = all_gather_objects(mine)
+    parts = all_gather_objects(mine)  # every rank checks the count: none waits on a failed rank 0
+    ids, first = np.unique(np.concatenate([p[0] for p in parts]), return_index=True)
+    expected = pair_count(prepared, "train") + pair_count(prepared, "val")
+    copies = env.world_size // ParallelDims.from_config(cfg).dp  # a tensor-parallel group scores its pairs once each
+    scored = sum(len(p[0]) for p in parts)
+    if len(ids) != expected or scored != expected * copies:
+        raise DataError(f"{prepared}: the reference pass scored {len(ids)} distinct pairs ({scored} in all) of the "
+                        f"dataset's {expected}; delete {prepared} to tokenize it again")
     if env.is_rank0:
-        # ranks of one tensor-parallel group scored the same pairs
-        ids, first = np.unique(np.concatenate([p[0] for p in parts]), return_index=True)
         values = [np.concatenate([p[i] for p in parts])[first] for i in (1, 2)]
-        expected = pair_count(prepared, "train") + pair_count(prepared, "val")
-        assert len(ids) == expected, f"scored {len(ids)} of {expected} pairs"
         path = write_reference(prepared, key, ids, *values)
         _say(env, f"{len(ids)} pairs scored in {time.monotonic() - started:.0f} s, kept in {path}", notes)
     barrier()
     table = ReferenceLogps.find(prepared, key)
-    if table is None:
-        raise DataError(f"rank {env.rank} cannot read the reference log-probs rank 0 wrote in {prepared}: "
-                        "data.cache_path must be storage every node reads")
+    missing = [rank for rank, ok in enumerate(all_gather_objects(table is not None)) if not ok]
+    if missing:
+        raise DataError(f"rank(s) {missing} cannot read the reference log-probs rank 0 wrote in {prepared}: "
+                        "data.cache_path (default <run.storage_path>/datasets) must be storage every node reads")
+    assert table is not None
     return table
 
 

@@ -267,16 +267,20 @@ def iter_range(manifest: Manifest, split: str, start: int, count: int) -> Iterat
         if lo < hi:
             path = manifest.file(piece, split)
             fs, local = filesystem(path)
-            with fs.open_input_file(local) as f:
-                reader = pq.ParquetFile(f)
-                row = 0
-                for g in range(reader.num_row_groups):
-                    rows = reader.metadata.row_group(g).num_rows
-                    a, b = max(lo - first, row), min(hi - first, row + rows)
-                    if a < b:
-                        group = _numpy(reader.read_row_group(g))
-                        yield {k: v[a - row:b - row] for k, v in group.items()}
-                    row += rows
+            try:
+                with fs.open_input_file(local) as f:
+                    reader = pq.ParquetFile(f)
+                    row = 0
+                    for g in range(reader.num_row_groups):
+                        rows = reader.metadata.row_group(g).num_rows
+                        a, b = max(lo - first, row), min(hi - first, row + rows)
+                        if a < b:
+                            group = _numpy(reader.read_row_group(g))
+                            yield {k: v[a - row:b - row] for k, v in group.items()}
+                        row += rows
+            except OSError as exc:
+                raise DataError(f"{path}: the tokenized dataset cannot be read ({exc}); delete {manifest.dir} to "
+                                "write it again") from None
         first += n
         if first >= start + count:
             break
