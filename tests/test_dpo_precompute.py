@@ -191,6 +191,23 @@ def test_the_key_follows_the_reference_not_the_layout(tiny, tmp_path):
     assert key() == base
 
 
+def test_a_table_that_cannot_be_written_is_one_line_exit_2(tiny, tmp_path, capsys):
+    """Where the dataset's folder takes no table (here a file named `reference` is in the
+    way), the run ends with one line naming the folder and exit 2, on every rank."""
+    from raytrain_platform.core.__main__ import main
+
+    cfg = pairs_config(tmp_path, tiny, "blocked")
+    (Path(dataset_of(cfg)) / "reference").write_text("not a folder")
+    path = tmp_path / "blocked.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["--config", str(path)]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in said if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0] == said[-1], said  # the tokenizing pass's lines come before
+    assert errors[0].startswith(f"error: {dataset_of(cfg)}: the reference log-probs cannot be written there ("), said
+
+
 def test_a_table_of_other_pairs_is_one_line(tiny, scored, tmp_path):
     """A table that lacks a batch's pair names the file and what to do."""
     from raytrain_platform.errors import DataError

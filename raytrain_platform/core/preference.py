@@ -30,7 +30,7 @@ from raytrain_platform._version import __version__
 from raytrain_platform.config import JobConfig
 from raytrain_platform.core.build import build_reference
 from raytrain_platform.core.counted import counted_positions, counted_rows
-from raytrain_platform.core.dist import DistEnv, all_gather_objects, all_reduce_sum, barrier
+from raytrain_platform.core.dist import DistEnv, all_gather_objects, all_reduce_sum
 from raytrain_platform.core.rundir import append_note
 from raytrain_platform.data.dealing import EVAL_PAD
 from raytrain_platform.data.ref_logps import ReferenceLogps, pair_chunks, pair_count, write_reference
@@ -221,11 +221,17 @@ def precompute_reference(cfg: JobConfig, env: DistEnv, *, family: ModelFamily, t
     if len(ids) != expected or scored != expected * copies:
         raise DataError(f"{prepared}: the reference pass scored {len(ids)} distinct pairs ({scored} in all) of the "
                         f"dataset's {expected}; delete {prepared} to tokenize it again")
+    failed = None
     if env.is_rank0:
         values = [np.concatenate([p[i] for p in parts])[first] for i in (1, 2)]
-        path = write_reference(prepared, key, ids, *values)
-        _say(env, f"{len(ids)} pairs scored in {time.monotonic() - started:.0f} s, kept in {path}", notes)
-    barrier()
+        try:
+            path = write_reference(prepared, key, ids, *values)
+            _say(env, f"{len(ids)} pairs scored in {time.monotonic() - started:.0f} s, kept in {path}", notes)
+        except OSError as exc:
+            failed = f"{prepared}: the reference log-probs cannot be written there ({exc})"
+    failed = all_gather_objects(failed)[0]  # every rank waits for the write, and hears of its failure
+    if failed:
+        raise DataError(failed)
     table = ReferenceLogps.find(prepared, key)
     missing = [rank for rank, ok in enumerate(all_gather_objects(table is not None)) if not ok]
     if missing:
