@@ -33,6 +33,7 @@ from raytrain_platform.core.counted import counted_positions, counted_rows
 from raytrain_platform.core.dist import DistEnv, all_gather_objects, all_reduce_sum
 from raytrain_platform.core.rundir import append_note
 from raytrain_platform.data.dealing import EVAL_PAD
+from raytrain_platform.data.prepared import file_state
 from raytrain_platform.data.ref_logps import ReferenceLogps, pair_chunks, pair_count, write_reference
 from raytrain_platform.errors import DataError
 from raytrain_platform.models.family import ModelFamily
@@ -107,10 +108,6 @@ class _Reference:
         return chosen, rejected
 
 
-def _file_states(paths: list[str]) -> list:
-    return [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns) for p in paths]
-
-
 def reference_key(cfg: JobConfig, family: ModelFamily) -> str:
     """A hash of what a pair's reference log-probs depend on besides its tokens: the
     reference's architecture and weights (its files' path, size and modification time,
@@ -123,8 +120,9 @@ def reference_key(cfg: JobConfig, family: ModelFamily) -> str:
     files = family.pretrained_files(kwargs)
     folder = kwargs.get("path")
     config = os.path.join(folder, "config.json") if isinstance(folder, str) else None
-    what = {"model": m.name, "kwargs": kwargs, "files": _file_states(files) if files is not None else None,
-            "config": _file_states([config]) if config and os.path.isfile(config) else None,
+    what = {"model": m.name, "kwargs": kwargs,
+            "files": [file_state(os.path.abspath(f)) for f in files] if files is not None else None,
+            "config": file_state(os.path.abspath(config)) if config and os.path.isfile(config) else None,
             "seed": cfg.train.seed if files is None else None, "precision": cfg.train.precision,
             "mixed_precision": cfg.parallel.mixed_precision, "logits": cfg.train.logits, "version": __version__}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]

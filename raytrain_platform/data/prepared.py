@@ -38,7 +38,7 @@ from raytrain_platform.errors import ConfigError, DataError
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["SCHEME", "MANIFEST", "Manifest", "dataset_key", "dataset_dir", "find_manifest", "load_manifest", "check_cache_root",
+__all__ = ["SCHEME", "MANIFEST", "Manifest", "file_state", "dataset_key", "dataset_dir", "find_manifest", "load_manifest", "check_cache_root",
            "WindowWriter", "read_windows", "iter_range", "read_range", "join"]
 
 SCHEME = 1  # the layout and window rules; part of the key
@@ -66,7 +66,9 @@ def _tokenizer_state(folder: str) -> list:
     return out
 
 
-def _file_state(path: str) -> tuple[str, int, int]:
+def file_state(path: str) -> tuple[str, int, int]:
+    """A file's identity in a key: its path, size and modification time (ns; -1 where the
+    file system keeps none), a local path or a URI."""
     fs, local = filesystem(path)
     info = fs.get_file_info(local)
     mtime = info.mtime_ns if info.mtime_ns is not None else -1
@@ -96,7 +98,7 @@ def dataset_key(spec: SourceSpec, pieces: list[Piece]) -> str:
     t = spec.token_spec()
     what = {"kind": spec.kind, "record": dataclasses.asdict(record_spec(t)),  # the format and its field names
             "root": t.path, "seq_len": t.seq_len, "val_fraction": t.val_fraction, "packing": t.packing,
-            "pieces": [[_file_state(p) for p in piece.paths] for piece in pieces],
+            "pieces": [[file_state(p) for p in piece.paths] for piece in pieces],
             "tokenizer": _tokenizer_state(t.tokenizer), "versions": _versions()}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
